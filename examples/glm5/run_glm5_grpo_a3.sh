@@ -1,0 +1,103 @@
+#!/usr/bin/env bash
+# GRPO on GLM-5.2 (model_type glm_moe_dsa, ~744B total / 40B active) with Megatron + vLLM on
+# 32 Atlas A3 nodes x 16 NPUs, in the verl-npu A3 image (docker/Dockerfile.a3).
+#
+# Run on the Ray head node once every node has joined the cluster (`ray start`), e.g.
+#   MODEL_PATH=/models/GLM-5.2 TRAIN_FILES=/data/train.parquet VAL_FILES=/data/val.parquet \
+#     bash examples/glm5/run_glm5_grpo_a3.sh trainer.total_training_steps=200
+# Extra arguments are Hydra overrides passed to the trainer. Check `verl-npu doctor` on each node first.
+set -euo pipefail
+
+MODEL_PATH="${MODEL_PATH:?set MODEL_PATH to the GLM-5.2 Hugging Face checkpoint directory}"
+TRAIN_FILES="${TRAIN_FILES:?set TRAIN_FILES to the training parquet file(s)}"
+VAL_FILES="${VAL_FILES:?set VAL_FILES to the validation parquet file(s)}"
+CKPT_DIR="${CKPT_DIR:-$PWD/checkpoints/glm5_grpo}"
+NNODES="${NNODES:-32}"
+NPUS_PER_NODE="${NPUS_PER_NODE:-16}"
+PYTHON="${PYTHON:-python3}"
+
+# Parallelism (train): 78 layers over PP8 = 9 on the first and last stage, 10 on the six others.
+TRAIN_TP=2 TRAIN_PP=8 TRAIN_CP=4 TRAIN_EP=64 TRAIN_ETP=1
+FIRST_STAGE_LAYERS=9 LAST_STAGE_LAYERS=9
+# Parallelism (rollout): 8 vLLM replicas of TP8 x DP8 with EP64.
+ROLLOUT_TP=8 ROLLOUT_DP=8 ROLLOUT_EP=64
+
+MAX_PROMPT_LENGTH=$((24 * 1024))
+MAX_RESPONSE_LENGTH=$((8 * 1024))
+
+# HCCL: long first collectives while 512 ranks load a 744B checkpoint.
+export HCCL_CONNECT_TIMEOUT=7200 HCCL_EXEC_TIMEOUT=7200 HCCL_BUFFSIZE=400
+export HCCL_DETERMINISTIC="${HCCL_DETERMINISTIC:-false}"
+JEMALLOC="/usr/lib/$(uname -m)-linux-gnu/libjemalloc.so.2"
+if [[ -f "$JEMALLOC" ]]; then export LD_PRELOAD="$JEMALLOC${LD_PRELOAD:+:$LD_PRELOAD}"; fi
+export VERL_USE_EXTERNAL_MODULES="${VERL_USE_EXTERNAL_MODULES:-verl_npu.megatron_adaptor}"
+
+MEGATRON=actor_rollout_ref.actor.megatron
+TRANSFORMER=$MEGATRON.override_transformer_config
+
+"$PYTHON" -m verl.trainer.main_ppo --config-name=ppo_megatron_trainer \
+    algorithm.adv_estimator=grpo \
+    algorithm.use_kl_in_reward=False \
+    data.train_files="$TRAIN_FILES" \
+    data.val_files="$VAL_FILES" \
+    data.train_batch_size=64 \
+    data.max_prompt_length=$MAX_PROMPT_LENGTH \
+    data.max_response_length=$MAX_RESPONSE_LENGTH \
+    data.filter_overlong_prompts=True \
+    data.truncation=error \
+    actor_rollout_ref.model.path="$MODEL_PATH" \
+    actor_rollout_ref.model.trust_remote_code=True \
+    actor_rollout_ref.actor.ppo_mini_batch_size=32 \
+    actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=1 \
+    actor_rollout_ref.actor.use_dynamic_bsz=True \
+    actor_rollout_ref.actor.ppo_max_token_len_per_gpu=$((MAX_PROMPT_LENGTH + MAX_RESPONSE_LENGTH)) \
+    actor_rollout_ref.actor.clip_ratio_low=0.2 \
+    actor_rollout_ref.actor.clip_ratio_high=0.28 \
+    actor_rollout_ref.actor.use_kl_loss=False \
+    actor_rollout_ref.actor.entropy_coeff=0 \
+    actor_rollout_ref.actor.optim.lr=1e-6 \
+    actor_rollout_ref.actor.optim.use_precision_aware_optimizer=True \
+    actor_rollout_ref.actor.optim.exp_avg_dtype=bf16 \
+    actor_rollout_ref.actor.optim.exp_avg_sq_dtype=bf16 \
+    actor_rollout_ref.actor.checkpoint.strict=False \
+    $MEGATRON.tensor_model_parallel_size=$TRAIN_TP \
+    $MEGATRON.pipeline_model_parallel_size=$TRAIN_PP \
+    $MEGATRON.context_parallel_size=$TRAIN_CP \
+    $MEGATRON.expert_model_parallel_size=$TRAIN_EP \
+    $MEGATRON.expert_tensor_parallel_size=$TRAIN_ETP \
+    $MEGATRON.sequence_parallel=True \
+    $MEGATRON.use_distributed_optimizer=True \
+    $MEGATRON.param_offload=True \
+    $MEGATRON.optimizer_offload=True \
+    +$TRANSFORMER.num_layers_in_first_pipeline_stage=$FIRST_STAGE_LAYERS \
+    +$TRANSFORMER.num_layers_in_last_pipeline_stage=$LAST_STAGE_LAYERS \
+    $TRANSFORMER.recompute_granularity=full \
+    $TRANSFORMER.recompute_method=uniform \
+    $TRANSFORMER.recompute_num_layers=1 \
+    +$TRANSFORMER.use_fused_rmsnorm=True \
+    +$TRANSFORMER.use_fused_swiglu=True \
+    +$TRANSFORMER.use_flash_attn=True \
+    +$TRANSFORMER.context_parallel_algo=kvallgather_cp_algo \
+    +$TRANSFORMER.use_fused_lightning_indexer=True \
+    +$TRANSFORMER.use_fused_sparse_flash_attention=True \
+    +$TRANSFORMER.use_fused_lightning_indexer_kl_loss=True \
+    actor_rollout_ref.ref.megatron.param_offload=True \
+    actor_rollout_ref.ref.log_prob_use_dynamic_bsz=True \
+    actor_rollout_ref.rollout.name=vllm \
+    actor_rollout_ref.rollout.n=8 \
+    actor_rollout_ref.rollout.tensor_model_parallel_size=$ROLLOUT_TP \
+    actor_rollout_ref.rollout.data_parallel_size=$ROLLOUT_DP \
+    actor_rollout_ref.rollout.expert_parallel_size=$ROLLOUT_EP \
+    actor_rollout_ref.rollout.gpu_memory_utilization=0.8 \
+    actor_rollout_ref.rollout.log_prob_use_dynamic_bsz=True \
+    trainer.device=npu \
+    trainer.nnodes="$NNODES" \
+    trainer.n_gpus_per_node="$NPUS_PER_NODE" \
+    trainer.logger='["console"]' \
+    trainer.project_name=verl_npu_glm5 \
+    trainer.experiment_name=glm5_grpo_a3_32n \
+    trainer.default_local_dir="$CKPT_DIR" \
+    trainer.save_freq=20 \
+    trainer.test_freq=-1 \
+    trainer.val_before_train=False \
+    "$@"

@@ -1,0 +1,407 @@
+#!/usr/bin/env bash
+# install.sh - install the pinned verl-npu stack (verl_npu/stack/stack.toml) on one target.
+#
+#   bash install.sh [--target a2|a3|dev] [--prefix DIR] [--dry-run] [--dev]
+#
+# Targets: a2 / a3 install the Ascend stack into the current Python 3.12 (the CANN images' Python)
+# and keep sources plus build-manifest.json under --prefix (default /opt/verl-npu); dev creates a
+# Python 3.12 virtual environment at --prefix (default ./.venv). Without --target the target is
+# detected: an Ascend node (npu-smi) gives a2 or a3, anything else gives dev.
+# Every step is idempotent: a second run finds everything in place and changes nothing.
+set -euo pipefail
+
+REPO_ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
+VALID_TARGETS="a2 a3 dev"
+TARGET=""
+PREFIX=""
+DRY_RUN=0
+DEV_TOOLS=0
+STEP="parse arguments"
+
+log() { printf '[install.sh] %s\n' "$*"; }
+warn() { printf '[install.sh] WARNING: %s\n' "$*" >&2; }
+die() {
+  printf '[install.sh] ERROR in step "%s": %s\n' "$STEP" "$*" >&2
+  exit 1
+}
+on_error() {
+  local status=$1 line=$2
+  printf '[install.sh] ERROR in step "%s": command at install.sh:%s exited with status %s\n' \
+    "$STEP" "$line" "$status" >&2
+}
+trap 'on_error $? $LINENO' ERR
+
+usage() {
+  sed -n '2,10p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'
+}
+
+while [[ $# -gt 0 ]]; do
+  case "$1" in
+    --target) [[ $# -ge 2 ]] || die "--target needs a value (one of: $VALID_TARGETS)"; TARGET="$2"; shift 2 ;;
+    --target=*) TARGET="${1#--target=}"; shift ;;
+    --prefix) [[ $# -ge 2 ]] || die "--prefix needs a directory"; PREFIX="$2"; shift 2 ;;
+    --prefix=*) PREFIX="${1#--prefix=}"; shift ;;
+    --dry-run) DRY_RUN=1; shift ;;
+    --dev) DEV_TOOLS=1; shift ;;
+    -h | --help) usage; exit 0 ;;
+    *) die "unknown argument '$1' (see: bash install.sh --help)" ;;
+  esac
+done
+
+# --- target and Python -------------------------------------------------------------------------
+
+STEP="detect target"
+detect_target() {
+  if command -v npu-smi >/dev/null 2>&1; then
+    local info
+    info="$(npu-smi info 2>/dev/null || true)"
+    if grep -Eq '910_93|Ascend910_93|A3' <<<"$info"; then echo a3; return; fi
+    if grep -Eq '910B' <<<"$info"; then echo a2; return; fi
+    die "npu-smi is present but the chip is neither 910B (a2) nor 910_93 (a3); pass --target a2 or --target a3"
+  fi
+  echo dev
+}
+if [[ -z "$TARGET" ]]; then
+  TARGET="$(detect_target)"
+  log "no --target given; detected target: $TARGET"
+fi
+case " $VALID_TARGETS " in
+  *" $TARGET "*) ;;
+  *) die "unknown target '$TARGET'; valid targets: $VALID_TARGETS" ;;
+esac
+if [[ -z "$PREFIX" ]]; then
+  if [[ "$TARGET" == dev ]]; then PREFIX="$REPO_ROOT/.venv"; else PREFIX="/opt/verl-npu"; fi
+fi
+
+STEP="find Python"
+# The manifest's Python version; read with a regex so that no Python is needed to find Python.
+PY_VERSION="$(sed -n '/^\[python\]/,/^\[/s/^version *= *"\([0-9.]*\)".*/\1/p' "$REPO_ROOT/verl_npu/stack/stack.toml")"
+[[ -n "$PY_VERSION" ]] || die "verl_npu/stack/stack.toml has no [python] version"
+
+python_is_wanted() { [[ "$("$1" -c 'import sys; print("%d.%d" % sys.version_info[:2])' 2>/dev/null)" == "$PY_VERSION" ]]; }
+find_python() {
+  local candidate
+  for candidate in "python$PY_VERSION" python3 python; do
+    if command -v "$candidate" >/dev/null 2>&1 && python_is_wanted "$(command -v "$candidate")"; then
+      command -v "$candidate"
+      return 0
+    fi
+  done
+  local pyenv_root="${PYENV_ROOT:-$HOME/.pyenv}"
+  if command -v pyenv >/dev/null 2>&1; then pyenv_root="$(pyenv root)"; fi
+  for candidate in "$pyenv_root"/versions/"$PY_VERSION"*/bin/python"$PY_VERSION"; do
+    if [[ -x "$candidate" ]] && python_is_wanted "$candidate"; then
+      echo "$candidate"
+      return 0
+    fi
+  done
+  return 1
+}
+if ! BASE_PYTHON="$(find_python)"; then
+  die "Python $PY_VERSION not found on PATH nor under pyenv (\$PYENV_ROOT/versions/$PY_VERSION*). Install it, e.g. 'pyenv install $PY_VERSION', or put python$PY_VERSION on PATH"
+fi
+
+STEP="read manifest"
+DEV_FLAG=()
+[[ "$DEV_TOOLS" == 1 ]] && DEV_FLAG=(--dev)
+PLAN="$(cd "$REPO_ROOT" && "$BASE_PYTHON" -m verl_npu.stack plan --target "$TARGET" "${DEV_FLAG[@]}")" ||
+  die "the manifest verl_npu/stack/stack.toml could not be read (message above)"
+CONSTRAINTS="$(cd "$REPO_ROOT" && "$BASE_PYTHON" -m verl_npu.stack constraints --target "$TARGET")"
+ARCH="$(uname -m)"
+
+# --- dry run: the ordered plan, nothing touched ------------------------------------------------
+
+field() { # field KEY "k1=v1|k2=v2" -> value of KEY (empty when absent)
+  local key=$1 rest=$2 item
+  IFS='|' read -r -a items <<<"$rest"
+  for item in "${items[@]}"; do
+    if [[ "$item" == "$key="* ]]; then printf '%s' "${item#"$key="}"; return 0; fi
+  done
+  return 0
+}
+
+describe_step() { # describe_step N KIND NAME FIELDS
+  local n=$1 kind=$2 name=$3 fields=$4 commit
+  case "$kind" in
+    python)
+      if [[ "$TARGET" == dev ]]; then
+        printf '%2d. python    create (or reuse) venv %s with %s (Python %s)\n' "$n" "$PREFIX" "$BASE_PYTHON" "$(field version "$fields")"
+      else
+        printf '%2d. python    use %s (Python %s)\n' "$n" "$BASE_PYTHON" "$(field version "$fields")"
+      fi ;;
+    chip) printf '%2d. chip      %s: CANN %s, SOC_VERSION=%s, base image %s\n' "$n" "$name" \
+      "$(field cann_version "$fields")" "$(field soc_version "$fields")" "$(field base_image "$fields")" ;;
+    pip)
+      printf '%2d. pip       %s' "$n" "$(field requirement "$fields")"
+      [[ -n "$(field index "$fields")" ]] && printf '  (index %s)' "$(field index "$fields")"
+      [[ -n "$(field index_x86_64 "$fields")" && "$ARCH" == x86_64 ]] && printf '  (x86_64 index %s)' "$(field index_x86_64 "$fields")"
+      [[ -n "$(field patches "$fields")" ]] && printf '  + patches %s' "$(field patches "$fields")"
+      printf '\n' ;;
+    git)
+      commit="$(field commit "$fields")"
+      if [[ "$commit" == UNVERIFIED ]]; then
+        commit="UNVERIFIED (resolved from '$(field ref "$fields")' at build time, recorded in build-manifest.json)"
+      fi
+      printf '%2d. git       %-24s %s @ %s  commit %s  [install: %s]\n' "$n" "$name" "$(field url "$fields")" \
+        "$(field ref "$fields")" "$commit" "$(field install "$fields")" ;;
+    local) printf '%2d. local     verl-npu from %s%s\n' "$n" "$REPO_ROOT" \
+      "$([[ -n "$(field extras "$fields")" ]] && printf ' with extras [%s]' "$(field extras "$fields")")" ;;
+    build-manifest) printf '%2d. manifest  write %s/build-manifest.json (resolved commits, versions, date)\n' "$n" "$PREFIX" ;;
+    *) die "the plan has an unknown step kind '$kind'" ;;
+  esac
+}
+
+print_plan() {
+  local n=0 kind name rest
+  log "plan for target '$TARGET' (prefix $PREFIX, arch $ARCH):"
+  while IFS='|' read -r kind name rest; do
+    n=$((n + 1))
+    describe_step "$n" "$kind" "$name" "$rest"
+  done <<<"$PLAN"
+  log "pip constraints applied to every install: $(tr '\n' ' ' <<<"$CONSTRAINTS")"
+}
+
+if [[ "$DRY_RUN" == 1 ]]; then
+  print_plan
+  log "dry run: nothing was installed or changed"
+  exit 0
+fi
+
+# --- execution ---------------------------------------------------------------------------------
+
+print_plan
+mkdir -p "$PREFIX"
+SRC_DIR="$PREFIX/src"
+RESOLVED_FILE="$PREFIX/.resolved-commits"
+CONSTRAINTS_FILE="$PREFIX/constraints.txt"
+PY=""
+
+pip_install() { "$PY" -m pip install --disable-pip-version-check -c "$CONSTRAINTS_FILE" "$@"; }
+installed_version() { # prints the installed version of a distribution, or nothing
+  "$PY" -I -c 'import importlib.metadata as m, sys
+try: print(m.version(sys.argv[1]))
+except m.PackageNotFoundError: pass' "$1"
+}
+same_version() { [[ "${1%%+*}" == "${2%%+*}" ]]; } # ignore local labels such as +cpu
+record_resolved() { # record_resolved NAME COMMIT (one line per component, newest wins)
+  local tmp="$RESOLVED_FILE.tmp.$$"
+  { grep -v "^$1 " "$RESOLVED_FILE" 2>/dev/null || true; echo "$1 $2"; } >"$tmp"
+  mv "$tmp" "$RESOLVED_FILE"
+}
+git_nodiscover() { GIT_CEILING_DIRECTORIES="$(dirname "$1")" git -C "$1" "${@:2}"; }
+
+run_python_step() {
+  local version=$1
+  if [[ "$TARGET" == dev ]]; then
+    if [[ -x "$PREFIX/bin/python" ]]; then
+      python_is_wanted "$PREFIX/bin/python" ||
+        die "$PREFIX exists but is not a Python $version venv; remove it or pass another --prefix"
+      log "venv $PREFIX already exists (Python $version)"
+    else
+      "$BASE_PYTHON" -m venv "$PREFIX"
+      log "created venv $PREFIX"
+    fi
+    PY="$PREFIX/bin/python"
+  else
+    PY="$BASE_PYTHON"
+  fi
+  printf '%s\n' "$CONSTRAINTS" >"$CONSTRAINTS_FILE.tmp" && mv "$CONSTRAINTS_FILE.tmp" "$CONSTRAINTS_FILE"
+}
+
+run_chip_step() {
+  local soc=$1
+  export SOC_VERSION="$soc"
+  local set_env="${ASCEND_TOOLKIT_HOME:-/usr/local/Ascend/ascend-toolkit}/set_env.sh"
+  if [[ -z "${ASCEND_TOOLKIT_HOME:-}" ]]; then
+    [[ -f /usr/local/Ascend/ascend-toolkit/set_env.sh ]] ||
+      die "CANN not found (/usr/local/Ascend/ascend-toolkit/set_env.sh); build on the manifest's CANN base image or install CANN first"
+    set +u # CANN's set_env.sh reads unset variables
+    # shellcheck source=/dev/null
+    source /usr/local/Ascend/ascend-toolkit/set_env.sh
+    set -u
+  fi
+  log "CANN environment: ${ASCEND_TOOLKIT_HOME:-$set_env}, SOC_VERSION=$SOC_VERSION"
+}
+
+apply_patches() { # apply_patches DIR PATCH... (git apply --check first, then apply)
+  local dir=$1 patch
+  shift
+  for patch in "$@"; do
+    if git_nodiscover "$dir" apply --reverse --check "$REPO_ROOT/$patch" 2>/dev/null; then
+      log "patch $patch already applied in $dir"
+      continue
+    fi
+    git_nodiscover "$dir" apply --check "$REPO_ROOT/$patch" ||
+      die "patch $patch does not apply to $dir: the pinned source changed; refresh the patch"
+    git_nodiscover "$dir" apply "$REPO_ROOT/$patch"
+    log "applied $patch"
+  done
+}
+
+run_pip_step() {
+  local name=$1 fields=$2 requirement version have index index_x86 patch_list
+  requirement="$(field requirement "$fields")"
+  version="${requirement#*==}"
+  index="$(field index "$fields")"
+  index_x86="$(field index_x86_64 "$fields")"
+  patch_list="$(field patches "$fields")"
+  have="$(installed_version "$name")"
+  local -a index_args=()
+  [[ -n "$index" ]] && index_args+=(--extra-index-url "$index")
+  [[ -n "$index_x86" && "$ARCH" == x86_64 ]] && index_args+=(--index-url "$index_x86" --extra-index-url https://pypi.org/simple)
+
+  if [[ -z "$patch_list" ]]; then
+    if [[ -n "$have" ]] && same_version "$have" "$version"; then
+      log "$name $have already installed"
+      return
+    fi
+    pip_install "${index_args[@]}" "$requirement"
+    return
+  fi
+
+  # Patched package: build from its sdist with our patches applied (never edit site-packages).
+  local -a patches
+  IFS=',' read -r -a patches <<<"$patch_list"
+  local site
+  site="$("$PY" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')"
+  if [[ -n "$have" ]] && same_version "$have" "$version"; then
+    local all_applied=1 patch
+    for patch in "${patches[@]}"; do
+      git_nodiscover "$site" apply --reverse --check "$REPO_ROOT/$patch" 2>/dev/null || all_applied=0
+    done
+    if [[ "$all_applied" == 1 ]]; then
+      log "$name $have already installed with its patches"
+      return
+    fi
+  fi
+  local dl="$SRC_DIR/sdist" tree="$SRC_DIR/$name-$version"
+  mkdir -p "$dl"
+  "$PY" -m pip download --disable-pip-version-check --no-deps --no-binary :all: "${index_args[@]}" -d "$dl" "$requirement"
+  rm -rf "$tree"
+  mkdir -p "$tree"
+  local archive
+  archive="$(find "$dl" -maxdepth 1 -iname "${name//-/[-_]}-$version.tar.gz" | head -n 1)"
+  [[ -n "$archive" ]] || die "no sdist of $requirement was downloaded into $dl"
+  tar --no-same-owner -xzf "$archive" -C "$tree" --strip-components=1
+  apply_patches "$tree" "${patches[@]}"
+  pip_install "${index_args[@]}" "$tree"
+}
+
+run_git_step() {
+  local name=$1 fields=$2 url ref commit install version dir head
+  url="$(field url "$fields")"
+  ref="$(field ref "$fields")"
+  commit="$(field commit "$fields")"
+  install="$(field install "$fields")"
+  version="$(field version "$fields")"
+  dir="$SRC_DIR/$name"
+
+  if [[ "$commit" == UNVERIFIED ]]; then
+    if [[ -d "$dir/.git" ]] && grep -q "^$name " "$RESOLVED_FILE" 2>/dev/null; then
+      commit="$(sed -n "s/^$name //p" "$RESOLVED_FILE")"
+      warn "$name: manifest commit is UNVERIFIED; reusing $commit resolved from '$ref' by an earlier run"
+    else
+      local remote
+      remote="$(git ls-remote "$url" "refs/tags/$ref^{}" "refs/tags/$ref" "refs/heads/$ref")" ||
+        die "git ls-remote $url failed: cannot resolve '$ref'"
+      commit="$(awk 'NR==1 {print $1}' <<<"$(sort -r -k2 <<<"$remote")")"
+      [[ "$commit" =~ ^[0-9a-f]{40}$ ]] || die "'$ref' does not exist in $url"
+      warn "************************************************************************"
+      warn "$name: manifest commit is UNVERIFIED; '$ref' resolved to $commit NOW."
+      warn "Review it and pin it in verl_npu/stack/stack.toml; recorded in build-manifest.json."
+      warn "************************************************************************"
+    fi
+  fi
+
+  if [[ -d "$dir/.git" ]]; then
+    head="$(git_nodiscover "$dir" rev-parse HEAD 2>/dev/null || true)"
+  else
+    head=""
+  fi
+  if [[ "$head" != "$commit" ]]; then
+    rm -rf "$dir"
+    mkdir -p "$dir"
+    git_nodiscover "$dir" init -q
+    git_nodiscover "$dir" remote add origin "$url"
+    if ! git_nodiscover "$dir" fetch -q --depth 1 origin "$commit"; then
+      log "$name: the server refused a fetch by commit; fetching '$ref' instead"
+      git_nodiscover "$dir" fetch -q origin "+refs/heads/$ref:refs/remotes/origin/$ref" "+refs/tags/$ref:refs/tags/$ref" ||
+        git_nodiscover "$dir" fetch -q origin
+    fi
+    git_nodiscover "$dir" -c advice.detachedHead=false checkout -q --detach "$commit"
+    head="$(git_nodiscover "$dir" rev-parse HEAD)"
+  fi
+  [[ "$head" == "$commit" ]] || die "$name: checked out $head but the pin is $commit"
+  record_resolved "$name" "$commit"
+
+  local stamp="$dir/.git/verl-npu-installed"
+  if [[ -f "$stamp" && "$(cat "$stamp")" == "$commit" ]]; then
+    log "$name $commit already installed"
+    return
+  fi
+  case "$install" in
+    pip) pip_install -e "$dir" ;;
+    vllm-empty-device) VLLM_TARGET_DEVICE=empty pip_install -e "$dir" ;;
+    vllm-ascend)
+      pip_install -r "$dir/requirements.txt"
+      COMPILE_CUSTOM_KERNELS=1 pip_install --no-build-isolation --no-deps -e "$dir" ;;
+    *) die "$name: unknown install kind '$install'" ;;
+  esac
+  if [[ -n "$version" ]]; then
+    local dist=$name have
+    [[ "$name" == megatron-lm ]] && dist=megatron-core
+    have="$(installed_version "$dist")"
+    same_version "$have" "$version" || die "$name at $commit installed $dist '$have', the manifest expects $version"
+  fi
+  echo "$commit" >"$stamp"
+}
+
+run_local_step() {
+  local extras=$1 target="$REPO_ROOT" stamp="$PREFIX/.verl-npu-local" want
+  [[ -n "$extras" ]] && target="${REPO_ROOT}[$extras]"
+  want="$(sha256sum "$REPO_ROOT/pyproject.toml" | cut -d' ' -f1) $REPO_ROOT [$extras]"
+  if [[ -f "$stamp" && "$(cat "$stamp")" == "$want" ]] && editable_from_repo; then
+    log "verl-npu already installed in editable mode from $REPO_ROOT [$extras]"
+    return
+  fi
+  pip_install -e "$target"
+  echo "$want" >"$stamp"
+}
+editable_from_repo() {
+  "$PY" -I - "$REPO_ROOT" <<'PYEOF'
+import importlib.metadata as m, json, pathlib, sys
+try:
+    dist = m.distribution("verl-npu")
+except m.PackageNotFoundError:
+    sys.exit(1)
+url = json.loads(dist.read_text("direct_url.json") or "{}")
+editable = url.get("dir_info", {}).get("editable", False)
+sys.exit(0 if editable and url.get("url") == pathlib.Path(sys.argv[1]).as_uri() else 1)
+PYEOF
+}
+
+run_build_manifest_step() {
+  "$PY" -m verl_npu.stack.build_manifest write --target "$TARGET" --prefix "$PREFIX" --resolved "$RESOLVED_FILE"
+}
+
+N=0
+while IFS='|' read -r KIND NAME REST; do
+  N=$((N + 1))
+  STEP="$N. $KIND $NAME"
+  log "--- step $STEP"
+  case "$KIND" in
+    python) run_python_step "$(field version "$REST")" ;;
+    chip) run_chip_step "$(field soc_version "$REST")" ;;
+    pip) run_pip_step "$NAME" "$REST" ;;
+    git) run_git_step "$NAME" "$REST" ;;
+    local) run_local_step "$(field extras "$REST")" ;;
+    build-manifest) run_build_manifest_step ;;
+    *) die "the plan has an unknown step kind '$KIND'" ;;
+  esac
+done <<<"$PLAN"
+
+STEP="done"
+log "target $TARGET installed; build manifest: $PREFIX/build-manifest.json"
+if [[ "$TARGET" == dev ]]; then
+  log "activate with: source $PREFIX/bin/activate"
+fi

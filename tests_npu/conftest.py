@@ -1,0 +1,53 @@
+"""Test tiers: default (CPU), `accel` (CUDA or NPU), `npu` (Ascend), `network` (PyPI)."""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+import socket
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO_ROOT / "tests_npu"))
+
+
+@functools.cache
+def _accelerator() -> str | None:
+    if importlib.util.find_spec("torch") is None:
+        return None
+    import torch
+
+    if torch.cuda.is_available():
+        return "cuda"
+    try:
+        import torch_npu  # noqa: F401  (any failure means: no usable NPU here)
+    except Exception:
+        return None
+    return "npu" if torch.npu.is_available() else None
+
+
+@functools.cache
+def pypi_reachable() -> bool:
+    try:
+        with socket.create_connection(("pypi.org", 443), timeout=5):
+            return True
+    except OSError:
+        return False
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    for item in items:
+        if item.get_closest_marker("npu") and _accelerator() != "npu":
+            item.add_marker(pytest.mark.skip(reason="needs an Ascend NPU with torch_npu and CANN (npu tier)"))
+        elif item.get_closest_marker("accel") and _accelerator() is None:
+            item.add_marker(pytest.mark.skip(reason="needs a CUDA GPU or an Ascend NPU (accel tier)"))
+        if item.get_closest_marker("network") and not pypi_reachable():
+            item.add_marker(pytest.mark.skip(reason="PyPI is not reachable from this machine (network tier)"))
+
+
+@pytest.fixture
+def repo_root() -> Path:
+    return REPO_ROOT

@@ -1,0 +1,59 @@
+"""The GLM-5.2 launch composes against verl 0.9.1's own Hydra schema and forwards extra overrides."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+LAUNCH = REPO / "examples" / "glm5" / "run_glm5_grpo_a3.sh"
+COMPOSE = REPO / "tests_npu" / "support" / "compose_verl_config.py"
+
+
+def launch(tmp_path: Path, *extra: str, **env: str) -> subprocess.CompletedProcess[str]:
+    shim = tmp_path / "python"
+    shim.write_text(f'#!/usr/bin/env bash\nexec "{sys.executable}" "{COMPOSE}" "$@"\n')
+    shim.chmod(0o755)
+    base = {"MODEL_PATH": "/models/GLM-5.2", "TRAIN_FILES": "/data/train.parquet", "VAL_FILES": "/data/val.parquet"}
+    return subprocess.run(
+        ["bash", str(LAUNCH), *extra],
+        capture_output=True,
+        text=True,
+        env={**os.environ, **base, "PYTHON": str(shim), **env},
+        timeout=300,
+        check=False,
+    )
+
+
+def test_glm5_launch_composes_with_verls_schema(tmp_path):
+    done = launch(tmp_path, "trainer.total_training_steps=3")
+    assert done.returncode == 0, done.stderr
+    cfg = json.loads(done.stdout)["config"]
+    actor = cfg["actor_rollout_ref"]["actor"]
+    mcore = actor["megatron"]
+    assert (cfg["trainer"]["nnodes"], cfg["trainer"]["n_gpus_per_node"]) == (32, 16)
+    assert cfg["trainer"]["total_training_steps"] == 3  # "$@" reaches the trainer
+    assert (mcore["tensor_model_parallel_size"], mcore["pipeline_model_parallel_size"]) == (2, 8)
+    assert (mcore["context_parallel_size"], mcore["expert_model_parallel_size"]) == (4, 64)
+    assert mcore["param_offload"] and mcore["optimizer_offload"] and mcore["use_distributed_optimizer"]
+    assert actor["optim"]["use_precision_aware_optimizer"] is True
+    assert (actor["clip_ratio_low"], actor["clip_ratio_high"]) == (0.2, 0.28)
+    assert actor["checkpoint"]["strict"] is False
+    assert cfg["data"]["max_prompt_length"] == 24576 and cfg["data"]["max_response_length"] == 8192
+    rollout = cfg["actor_rollout_ref"]["rollout"]
+    assert (rollout["tensor_model_parallel_size"], rollout["data_parallel_size"], rollout["n"]) == (8, 8, 8)
+    assert mcore["override_transformer_config"]["num_layers_in_first_pipeline_stage"] == 9
+
+
+def test_a_removed_key_is_rejected_by_the_schema(tmp_path):
+    done = launch(tmp_path, "actor_rollout_ref.actor.megatron.grad_offload=True")
+    assert done.returncode == 2
+    assert "grad_offload" in done.stderr
+
+
+def test_launch_requires_the_model_and_data_paths(tmp_path):
+    done = launch(tmp_path, MODEL_PATH="")
+    assert done.returncode != 0 and "set MODEL_PATH" in done.stderr

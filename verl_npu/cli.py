@@ -1,0 +1,117 @@
+"""The ``verl-npu`` command line."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from rich.console import Console
+from rich.table import Table
+
+from verl_npu import doctor
+from verl_npu.stack import matrix
+from verl_npu.stack.manifest import MANIFEST_PATH, TARGETS, Stack, StackError, load_stack
+
+_STATUS_STYLE = {doctor.OK: "green", doctor.WARN: "yellow", doctor.FAIL: "bold red"}
+
+
+def _console() -> Console:
+    return Console(soft_wrap=False, width=max(Console().width, 120))
+
+
+def versions_table(stack: Stack, target: str | None = None) -> Table:
+    table = Table(title=f"verl-npu stack ({stack.path.name}, Python {stack.python})")
+    table.add_column("component", overflow="fold")
+    table.add_column("version / ref", overflow="fold")
+    table.add_column("commit", min_width=40, overflow="fold")  # a full commit always fits on one line
+    table.add_column("targets", overflow="fold")
+    for chip in stack.chips.values():
+        if target in (None, chip.name):
+            table.add_row(
+                f"CANN base image ({chip.name})", chip.base_image, f"SOC_VERSION={chip.soc_version}", chip.name
+            )
+    for pkg in stack.packages.values():
+        if target is None or target in pkg.targets:
+            source = f" (index {pkg.index})" if pkg.index else ""
+            table.add_row(pkg.name, pkg.version + source, "PyPI" if not pkg.index else "", ", ".join(pkg.targets))
+    for comp in stack.git.values():
+        if target is None or target in comp.targets:
+            commit = comp.commit if comp.verified else "[yellow]UNVERIFIED[/] (resolved at build time)"
+            table.add_row(comp.name, f"{comp.url} @ {comp.ref}", commit, ", ".join(comp.targets))
+    return table
+
+
+def cmd_versions(args: argparse.Namespace) -> int:
+    stack = load_stack(args.manifest)
+    if args.json:
+        print(json.dumps(stack.to_dict(), indent=2, default=str))
+    elif args.markdown:
+        print(matrix.render_markdown(stack))
+    else:
+        _console().print(versions_table(stack, args.target))
+    return 0
+
+
+def cmd_doctor(args: argparse.Namespace) -> int:
+    probe = doctor.Probe.current()
+    if args.site_packages:
+        probe.sys_path = [str(Path(p).resolve()) for p in args.site_packages]
+    if args.build_manifest:
+        probe.build_manifest_path = Path(args.build_manifest)
+    report = doctor.diagnose(probe, load_stack(args.manifest))
+    if args.json:
+        print(json.dumps(report.to_dict(), indent=2))
+    else:
+        table = Table(title=f"verl-npu doctor: {report.platform.detail} (target {report.target})")
+        table.add_column("check")
+        table.add_column("status")
+        table.add_column("detail", overflow="fold")
+        table.add_column("fix", overflow="fold")
+        for f in report.findings:
+            style = _STATUS_STYLE[f.status]
+            table.add_row(f.check, f"[{style}]{f.status}[/]", f.detail, f.fix)
+        console = _console()
+        console.print(table)
+        fails = sum(f.status == doctor.FAIL for f in report.findings)
+        warns = sum(f.status == doctor.WARN for f in report.findings)
+        console.print(f"{fails} failed, {warns} warnings, {len(report.findings) - fails - warns} ok")
+    return 1 if report.failed else 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="verl-npu", description="verl-npu: the Ascend NPU distribution of verl")
+    parser.add_argument("--manifest", default=str(MANIFEST_PATH), help=argparse.SUPPRESS)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("versions", help="print the pinned stack (verl_npu/stack/stack.toml)")
+    p.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    p.add_argument("--markdown", action="store_true", help="print the README support matrix")
+    p.add_argument("--target", choices=TARGETS, help="only the components installed on this target")
+    p.set_defaults(func=cmd_versions)
+
+    p = sub.add_parser("doctor", help="check this node's environment against the stack; exit 1 on any failure")
+    p.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    p.add_argument(
+        "--site-packages",
+        action="append",
+        metavar="DIR",
+        help="inspect these directories instead of this interpreter's sys.path (repeatable)",
+    )
+    p.add_argument("--build-manifest", metavar="FILE", help="build manifest to compare with (default: auto-detected)")
+    p.set_defaults(func=cmd_doctor)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except StackError as exc:
+        print(f"verl-npu: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

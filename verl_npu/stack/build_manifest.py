@@ -1,0 +1,166 @@
+"""The build manifest: what install.sh actually installed, written once per image or venv.
+
+install.sh's last step runs ``python -m verl_npu.stack.build_manifest write``; it checks every pinned
+distribution against verl_npu/stack/stack.toml (a mismatch fails the build) and records the commits
+that git components resolved to (the only record of MindSpeed's ref: its package metadata says
+0.12.1 on every branch). ``verl-npu doctor`` compares the running environment with it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as _dt
+import hashlib
+import importlib.metadata
+import json
+import os
+import platform
+import sys
+from pathlib import Path
+from typing import Any
+
+from verl_npu.stack.manifest import MANIFEST_PATH, NPU_TARGETS, TARGETS, Stack, StackError, load_stack
+
+FILENAME = "build-manifest.json"
+ENV_VAR = "VERL_NPU_BUILD_MANIFEST"
+DEFAULT_IMAGE_PREFIX = Path("/opt/verl-npu")
+
+
+class BuildManifestError(RuntimeError):
+    pass
+
+
+def installed_version(dist: str) -> str | None:
+    try:
+        return importlib.metadata.version(dist)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def same_version(installed: str | None, expected: str) -> bool:
+    """Equal up to a local label (torch 2.10.0+cpu is torch 2.10.0)."""
+    return installed is not None and installed.split("+", 1)[0] == expected.split("+", 1)[0]
+
+
+def _read_resolved(path: Path | None) -> dict[str, str]:
+    if path is None or not path.is_file():
+        return {}
+    resolved = {}
+    for line in path.read_text().splitlines():
+        if line.strip():
+            name, commit = line.split()
+            resolved[name] = commit
+    return resolved
+
+
+def compose(stack: Stack, target: str, resolved: dict[str, str]) -> dict[str, Any]:
+    """Everything but the date; raises when an installed version differs from the manifest."""
+    if target not in TARGETS:
+        raise BuildManifestError(f"unknown target {target!r}; valid: {', '.join(TARGETS)}")
+    versions = {}
+    mismatches = []
+    for dist, expected in sorted(stack.expected_versions(target).items()):
+        found = installed_version(dist)
+        versions[dist] = {"expected": expected, "installed": found}
+        if not same_version(found, expected):
+            mismatches.append(f"{dist}: expected {expected}, found {found or 'not installed'}")
+    if mismatches:
+        raise BuildManifestError(
+            "installed versions differ from verl_npu/stack/stack.toml:\n  " + "\n  ".join(mismatches)
+        )
+    git = {}
+    for comp in stack.git_for(target):
+        commit = resolved.get(comp.name)
+        if commit is None:
+            raise BuildManifestError(f"git component {comp.name} has no resolved commit (was it installed?)")
+        if comp.verified and commit != comp.commit:
+            raise BuildManifestError(f"{comp.name}: checked out {commit}, the manifest pins {comp.commit}")
+        git[comp.name] = {
+            "url": comp.url,
+            "ref": comp.ref,
+            "pinned_commit": comp.commit,
+            "resolved_commit": commit,
+            "verified": comp.verified,
+        }
+    doc: dict[str, Any] = {
+        "schema": 1,
+        "target": target,
+        "stack_manifest_sha256": hashlib.sha256(stack.path.read_bytes()).hexdigest(),
+        "python": platform.python_version(),
+        "arch": platform.machine(),
+        "versions": versions,
+        "git": git,
+    }
+    if target in NPU_TARGETS:
+        chip = stack.chips[target]
+        doc["chip"] = {
+            "soc_version": chip.soc_version,
+            "cann_version": chip.cann_version,
+            "base_image": chip.base_image,
+        }
+    return doc
+
+
+def write(stack: Stack, target: str, prefix: Path, resolved: dict[str, str]) -> Path:
+    """Write prefix/build-manifest.json atomically; leave it untouched when nothing changed."""
+    doc = compose(stack, target, resolved)
+    path = prefix / FILENAME
+    if path.is_file():
+        old = json.loads(path.read_text())
+        old.pop("built_at", None)
+        if old == doc:
+            return path
+    doc["built_at"] = _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds")
+    tmp = path.with_name(f".{FILENAME}.{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(doc, indent=2, sort_keys=True) + "\n")
+    tmp.replace(path)
+    return path
+
+
+def find() -> Path | None:
+    """The build manifest of this environment: $VERL_NPU_BUILD_MANIFEST, the venv, then the image."""
+    env = os.environ.get(ENV_VAR)
+    if env:
+        return Path(env)
+    for candidate in (Path(sys.prefix) / FILENAME, DEFAULT_IMAGE_PREFIX / FILENAME):
+        if candidate.is_file():
+            return candidate
+    return None
+
+
+def read(path: Path) -> dict[str, Any]:
+    try:
+        doc = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise BuildManifestError(f"{path}: build manifest not found (set {ENV_VAR} or rerun install.sh)") from None
+    except json.JSONDecodeError as exc:
+        raise BuildManifestError(f"{path}: not valid JSON ({exc}); rerun install.sh to rewrite it") from None
+    if not isinstance(doc, dict):
+        raise BuildManifestError(f"{path}: expected a JSON object, found {type(doc).__name__}; rerun install.sh")
+    for key in ("target", "versions", "git"):
+        if key not in doc:
+            raise BuildManifestError(f"{path}: key '{key}' is missing; rerun install.sh to rewrite it")
+    return doc
+
+
+def _main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m verl_npu.stack.build_manifest")
+    sub = parser.add_subparsers(dest="command", required=True)
+    w = sub.add_parser("write")
+    w.add_argument("--target", required=True)
+    w.add_argument("--prefix", required=True, type=Path)
+    w.add_argument("--resolved", type=Path)
+    w.add_argument("--manifest", type=Path, default=MANIFEST_PATH)
+    args = parser.parse_args(argv)
+    try:
+        stack = load_stack(args.manifest)
+        path = write(stack, args.target, args.prefix, _read_resolved(args.resolved))
+    except (StackError, BuildManifestError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    print(f"build manifest: {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(_main())

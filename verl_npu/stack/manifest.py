@@ -1,0 +1,257 @@
+"""Typed loader for the stack manifest ``verl_npu/stack/stack.toml``.
+
+Standard library only: install.sh runs this package with the bare host Python before anything
+is installed (``python3 -m verl_npu.stack plan --target a3``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import re
+import tomllib
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+MANIFEST_PATH = Path(__file__).with_name("stack.toml")
+REPO_ROOT = Path(__file__).resolve().parents[2]
+SCHEMA_VERSION = 1
+UNVERIFIED = "UNVERIFIED"
+NPU_TARGETS = ("a2", "a3")
+TARGETS = (*NPU_TARGETS, "dev")
+GIT_INSTALL_KINDS = ("pip", "vllm-empty-device", "vllm-ascend")
+
+_SHA_RE = re.compile(r"^[0-9a-f]{40}$")
+# PEP 440 public versions plus a local label; enough to reject typos such as "0.18,0".
+_VERSION_RE = re.compile(r"^\d+(\.\d+)*((a|b|rc)\d+)?(\.post\d+)?(\.dev\d+)?(\+[a-z0-9.]+)?$")
+_PYTHON_RE = re.compile(r"^3\.\d+$")
+_IMAGE_RE = re.compile(r"^[a-z0-9.-]+(:\d+)?(/[a-z0-9._-]+)+:[A-Za-z0-9._-]+$")
+_SOC_RE = re.compile(r"^ascend[0-9a-z_]+$")
+
+
+class StackError(ValueError):
+    """The manifest is malformed. The message names the file, the table and the key."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Chip:
+    name: str
+    description: str
+    cann_version: str
+    base_image: str
+    soc_version: str
+
+
+@dataclasses.dataclass(frozen=True)
+class Package:
+    name: str
+    version: str
+    targets: tuple[str, ...]
+    index: str | None = None
+    index_x86_64: str | None = None
+    pairs_with: str | None = None
+    patches: tuple[str, ...] = ()
+
+    @property
+    def requirement(self) -> str:
+        return f"{self.name}=={self.version}"
+
+
+@dataclasses.dataclass(frozen=True)
+class GitComponent:
+    name: str
+    url: str
+    ref: str
+    commit: str
+    targets: tuple[str, ...]
+    install: str
+    version: str | None = None
+    import_name: str | None = None
+
+    @property
+    def verified(self) -> bool:
+        return self.commit != UNVERIFIED
+
+
+@dataclasses.dataclass(frozen=True)
+class Stack:
+    path: Path
+    schema: int
+    python: str
+    chips: Mapping[str, Chip]
+    packages: Mapping[str, Package]
+    git: Mapping[str, GitComponent]
+
+    def packages_for(self, target: str) -> list[Package]:
+        return [p for p in self.packages.values() if target in p.targets]
+
+    def git_for(self, target: str) -> list[GitComponent]:
+        return [g for g in self.git.values() if target in g.targets]
+
+    def expected_versions(self, target: str) -> dict[str, str]:
+        """Distribution name -> version that must be installed on ``target``."""
+        versions = {p.name: p.version for p in self.packages_for(target)}
+        for g in self.git_for(target):
+            if g.version is not None:
+                dist = "megatron-core" if g.name == "megatron-lm" else g.name
+                versions[dist] = g.version
+        return versions
+
+    def constraints(self, target: str) -> list[str]:
+        """pip constraints that keep every pinned distribution at its pin during any install."""
+        return [f"{name}=={version}" for name, version in sorted(self.expected_versions(target).items())]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "schema": self.schema,
+            "python": self.python,
+            "chips": {k: dataclasses.asdict(v) for k, v in self.chips.items()},
+            "packages": {k: dataclasses.asdict(v) for k, v in self.packages.items()},
+            "git": {k: dataclasses.asdict(v) for k, v in self.git.items()},
+        }
+
+
+# --- validation helpers ------------------------------------------------------------------------
+
+
+class _Table:
+    """One TOML table being validated; every error names the file, table and key."""
+
+    def __init__(self, path: Path, where: str, data: Any):
+        self.path, self.where = path, where
+        if not isinstance(data, dict):
+            self.fail(None, f"must be a table, found {type(data).__name__}")
+        self.data: dict[str, Any] = data
+
+    def fail(self, key: str | None, message: str) -> None:
+        location = f"[{self.where}]" if key is None else f"[{self.where}] key '{key}'"
+        raise StackError(f"{self.path}: {location} {message}")
+
+    def check_keys(self, required: set[str], optional: set[str] = frozenset()) -> None:
+        allowed = required | optional
+        for key in self.data:
+            if key not in allowed:
+                close = difflib.get_close_matches(key, sorted(allowed), n=1)
+                hint = f"; did you mean '{close[0]}'?" if close else ""
+                self.fail(key, f"is not allowed here (allowed: {', '.join(sorted(allowed))}){hint}")
+        for key in sorted(required):
+            if key not in self.data:
+                self.fail(key, "is missing")
+
+    def string(self, key: str, pattern: re.Pattern[str] | None = None, what: str = "") -> str:
+        value = self.data[key]
+        if not isinstance(value, str) or not value:
+            self.fail(key, f"must be a non-empty string, found {value!r}")
+        if pattern is not None and not pattern.match(value):
+            self.fail(key, f"is not {what}: {value!r}")
+        return value
+
+    def optional_string(self, key: str, pattern: re.Pattern[str] | None = None, what: str = "") -> str | None:
+        return self.string(key, pattern, what) if key in self.data else None
+
+    def targets(self, key: str = "targets") -> tuple[str, ...]:
+        value = self.data[key]
+        if not isinstance(value, list) or not value or not all(isinstance(v, str) for v in value):
+            self.fail(key, f"must be a non-empty list of targets, found {value!r}")
+        for target in value:
+            if target not in TARGETS:
+                self.fail(key, f"names unknown target {target!r} (valid: {', '.join(TARGETS)})")
+        return tuple(value)
+
+    def url(self, key: str) -> str:
+        value = self.string(key)
+        if not value.startswith("https://"):
+            self.fail(key, f"must be an https:// URL, found {value!r}")
+        return value
+
+
+_URL_RE = re.compile(r"^https://\S+$")
+
+
+def _load_chip(path: Path, name: str, data: Any) -> Chip:
+    t = _Table(path, f"chips.{name}", data)
+    t.check_keys({"description", "cann_version", "base_image", "soc_version"})
+    return Chip(
+        name=name,
+        description=t.string("description"),
+        cann_version=t.string("cann_version", _VERSION_RE, "a version"),
+        base_image=t.string("base_image", _IMAGE_RE, "a fully tagged image reference (registry/name:tag)"),
+        soc_version=t.string("soc_version", _SOC_RE, "an Ascend SOC_VERSION such as ascend910b1"),
+    )
+
+
+def _load_package(path: Path, name: str, data: Any) -> Package:
+    t = _Table(path, f"packages.{name}", data)
+    t.check_keys({"version", "targets"}, {"index", "index_x86_64", "pairs_with", "patches"})
+    patches = t.data.get("patches", [])
+    if not isinstance(patches, list) or not all(isinstance(p, str) for p in patches):
+        t.fail("patches", f"must be a list of paths relative to the repository, found {patches!r}")
+    for patch in patches:
+        if not re.match(r"^patches/[A-Za-z0-9._/-]+\.patch$", patch) or ".." in patch:
+            t.fail("patches", f"entry {patch!r} must be a path under patches/ ending in .patch")
+    return Package(
+        name=name,
+        version=t.string("version", _VERSION_RE, "a PEP 440 version"),
+        targets=t.targets(),
+        index=t.optional_string("index", _URL_RE, "an https:// URL"),
+        index_x86_64=t.optional_string("index_x86_64", _URL_RE, "an https:// URL"),
+        pairs_with=t.optional_string("pairs_with"),
+        patches=tuple(patches),
+    )
+
+
+def _load_git(path: Path, name: str, data: Any) -> GitComponent:
+    t = _Table(path, f"git.{name}", data)
+    t.check_keys({"url", "ref", "commit", "targets", "install"}, {"version", "import_name"})
+    commit = t.string("commit")
+    if commit != UNVERIFIED and not _SHA_RE.match(commit):
+        t.fail(
+            "commit",
+            f"must be a full 40-character lowercase hex commit or {UNVERIFIED!r}, found {commit!r}",
+        )
+    install = t.string("install")
+    if install not in GIT_INSTALL_KINDS:
+        t.fail("install", f"must be one of {', '.join(GIT_INSTALL_KINDS)}, found {install!r}")
+    return GitComponent(
+        name=name,
+        url=t.url("url"),
+        ref=t.string("ref"),
+        commit=commit,
+        targets=t.targets(),
+        install=install,
+        version=t.optional_string("version", _VERSION_RE, "a PEP 440 version"),
+        import_name=t.optional_string("import_name"),
+    )
+
+
+def load_stack(path: Path | str = MANIFEST_PATH) -> Stack:
+    """Load and validate a manifest; raise :class:`StackError` naming the file and key."""
+    path = Path(path)
+    try:
+        raw = tomllib.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise StackError(f"{path}: manifest not found") from None
+    except tomllib.TOMLDecodeError as exc:
+        raise StackError(f"{path}: not valid TOML: {exc}") from None
+
+    top = _Table(path, "top level", raw)
+    top.check_keys({"schema", "python", "chips", "packages", "git"})
+    if raw["schema"] != SCHEMA_VERSION:
+        top.fail("schema", f"is {raw['schema']!r}; this verl-npu reads schema {SCHEMA_VERSION}")
+    py = _Table(path, "python", raw["python"])
+    py.check_keys({"version"})
+    python = py.string("version", _PYTHON_RE, "a major.minor Python version")
+
+    chips_table = _Table(path, "chips", raw["chips"])
+    chips_table.check_keys(set(NPU_TARGETS))
+    chips = {name: _load_chip(path, name, chips_table.data[name]) for name in NPU_TARGETS}
+    packages = {n: _load_package(path, n, d) for n, d in _Table(path, "packages", raw["packages"]).data.items()}
+    git = {n: _load_git(path, n, d) for n, d in _Table(path, "git", raw["git"]).data.items()}
+
+    for pkg in packages.values():
+        if pkg.pairs_with is not None and pkg.pairs_with not in packages:
+            _Table(path, f"packages.{pkg.name}", {}).fail(
+                "pairs_with", f"names {pkg.pairs_with!r}, which is not a [packages] entry"
+            )
+    return Stack(path=path, schema=raw["schema"], python=python, chips=chips, packages=packages, git=git)

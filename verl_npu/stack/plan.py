@@ -1,0 +1,73 @@
+"""The ordered install plan that install.sh executes, one step per line. Standard library only."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from verl_npu.stack.manifest import NPU_TARGETS, REPO_ROOT, TARGETS, Stack, StackError
+
+
+@dataclasses.dataclass(frozen=True)
+class Step:
+    kind: str  # python | chip | pip | git | local | build-manifest
+    name: str
+    fields: dict[str, str]
+
+    def line(self) -> str:
+        for value in (self.kind, self.name, *self.fields.keys(), *self.fields.values()):
+            if "|" in value or "\n" in value:
+                raise StackError(f"plan value {value!r} contains a separator")
+        return "|".join([self.kind, self.name, *(f"{k}={v}" for k, v in self.fields.items())])
+
+
+def install_plan(stack: Stack, target: str, *, dev_tools: bool = False) -> list[Step]:
+    """The ordered install steps for ``target``; install.sh executes them one by one."""
+    if target not in TARGETS:
+        raise StackError(f"unknown target {target!r}; valid targets: {', '.join(TARGETS)}")
+    steps = [Step("python", f"python{stack.python}", {"version": stack.python})]
+    if target in NPU_TARGETS:
+        chip = stack.chips[target]
+        steps.append(
+            Step(
+                "chip",
+                target,
+                {"soc_version": chip.soc_version, "cann_version": chip.cann_version, "base_image": chip.base_image},
+            )
+        )
+    pkgs = {p.name: p for p in stack.packages_for(target)}
+    for pkg in pkgs.values():
+        for patch in pkg.patches:
+            if not (REPO_ROOT / patch).is_file():
+                raise StackError(
+                    f"{stack.path}: [packages.{pkg.name}] key 'patches' names {patch!r}, "
+                    f"which does not exist in {REPO_ROOT}"
+                )
+
+    def pip_step(name: str) -> None:
+        pkg = pkgs.pop(name, None)
+        if pkg is None:
+            return
+        fields = {"requirement": pkg.requirement}
+        if pkg.index:
+            fields["index"] = pkg.index
+        if pkg.index_x86_64 and target in NPU_TARGETS:
+            fields["index_x86_64"] = pkg.index_x86_64
+        if pkg.patches:
+            fields["patches"] = ",".join(pkg.patches)
+        steps.append(Step("pip", name, fields))
+
+    # The accelerator runtime first: everything after it is constrained to the same torch.
+    for name in ("torch", "torch-npu", "triton-ascend"):
+        pip_step(name)
+    for comp in stack.git_for(target):
+        fields = {"url": comp.url, "ref": comp.ref, "commit": comp.commit, "install": comp.install}
+        if comp.version:
+            fields["version"] = comp.version
+        steps.append(Step("git", comp.name, fields))
+    for name in ("megatron-core", "transformers", "mbridge", "verl"):
+        pip_step(name)
+    for name in sorted(pkgs):  # anything added to the manifest later still gets installed
+        pip_step(name)
+    steps.append(Step("local", "verl-npu", {"extras": "dev" if dev_tools else ""}))
+    steps.append(Step("build-manifest", "build-manifest.json", {}))
+    return steps

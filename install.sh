@@ -8,7 +8,7 @@
 # Python 3.12 virtual environment at --prefix (default ./.venv). Without --target the target is
 # detected: an Ascend node (npu-smi) gives a2 or a3, anything else gives dev.
 # Every step is idempotent: a second run finds everything in place and changes nothing.
-set -euo pipefail
+set -Eeuo pipefail
 
 REPO_ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 VALID_TARGETS="a2 a3 dev"

@@ -130,3 +130,20 @@ def test_second_install_changes_nothing():
     assert "already installed" in done.stdout
     assert manifest.read_bytes() == before_manifest
     assert subprocess.run(freeze, capture_output=True, text=True, check=True).stdout == before
+
+
+@pytest.mark.network
+def test_a_failing_install_step_is_named(tmp_path):
+    """A pin pip cannot satisfy stops the install with the step's number and name."""
+    copy = tmp_path / "repo"
+    shutil.copytree(REPO, copy, ignore=shutil.ignore_patterns(".venv", ".git", "*.egg-info", "__pycache__"))
+    manifest = copy / "verl_npu" / "stack" / "stack.toml"
+    manifest.write_text(
+        manifest.read_text().replace('[packages.torch]\nversion = "2.10.0"', '[packages.torch]\nversion = "0.0.1"')
+    )
+    done = run_install("--target", "dev", "--prefix", str(tmp_path / "venv"), cwd=copy)
+    assert done.returncode != 0
+    assert re.search(r'ERROR in step "2\. pip torch": command at install\.sh:\d+ exited with status 1', done.stderr), (
+        done.stderr[-2000:]
+    )
+    assert not (tmp_path / "venv" / "build-manifest.json").exists()

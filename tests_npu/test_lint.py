@@ -13,6 +13,6 @@ REPO = Path(__file__).resolve().parent.parent
 def test_ruff_check_is_clean():
     ruff = shutil.which("ruff") or str(Path(sys.executable).with_name("ruff"))
     done = subprocess.run(
-        [ruff, "check", "verl_npu", "tests_npu"], cwd=REPO, capture_output=True, text=True, check=False
+        [ruff, "check", "verl_npu", "tests_npu", "bench"], cwd=REPO, capture_output=True, text=True, check=False
     )
     assert done.returncode == 0, done.stdout + done.stderr

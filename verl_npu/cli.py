@@ -58,9 +58,11 @@ def cmd_doctor(args: argparse.Namespace) -> int:
     probe = doctor.Probe.current()
     if args.site_packages:
         probe.sys_path = [str(Path(p).resolve()) for p in args.site_packages]
+        probe.meta_path = []
     if args.build_manifest:
         probe.build_manifest_path = Path(args.build_manifest)
-    report = doctor.diagnose(probe, load_stack(args.manifest))
+    layer = not args.no_layer and not args.site_packages  # the layer probe runs this interpreter
+    report = doctor.diagnose(probe, load_stack(args.manifest), layer=layer, ray=not args.no_ray)
     if args.json:
         print(json.dumps(report.to_dict(), indent=2))
     else:
@@ -78,6 +80,32 @@ def cmd_doctor(args: argparse.Namespace) -> int:
         warns = sum(f.status == doctor.WARN for f in report.findings)
         console.print(f"{fails} failed, {warns} warnings, {len(report.findings) - fails - warns} ok")
     return 1 if report.failed else 0
+
+
+def cmd_patches(args: argparse.Namespace) -> int:
+    if args.markdown:
+        from verl_npu import runtime_patches
+        from verl_npu.patching.docs import render_markdown
+
+        print(render_markdown(runtime_patches.ALL), end="")
+        return 0
+    from verl_npu import megatron_adaptor
+
+    layer = megatron_adaptor.load()
+    if not args.as_loaded:
+        layer.import_patch_targets()
+    if args.json:
+        print(json.dumps(layer.to_dict(), indent=2))
+        return 0
+    table = Table(title=f"verl-npu runtime patches in this process (platform {layer.platform})")
+    for column in ("id", "target", "kind", "status", "detail"):
+        table.add_column(column, overflow="fold")
+    styles = {"applied": "green", "applied-with-warning": "yellow", "pending": "cyan", "skipped": "dim"}
+    for record in layer.records():
+        status = f"[{styles.get(record.status, '')}]{record.status}[/]"
+        table.add_row(record.id, record.target, record.kind, status, record.detail)
+    _console().print(table)
+    return 0
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -100,7 +128,19 @@ def build_parser() -> argparse.ArgumentParser:
         help="inspect these directories instead of this interpreter's sys.path (repeatable)",
     )
     p.add_argument("--build-manifest", metavar="FILE", help="build manifest to compare with (default: auto-detected)")
+    p.add_argument("--no-layer", action="store_true", help="skip the runtime-layer checks (process and Ray worker)")
+    p.add_argument("--no-ray", action="store_true", help="check the layer in a process but not in a Ray worker")
     p.set_defaults(func=cmd_doctor)
+
+    p = sub.add_parser("patches", help="the runtime patches applied or skipped in this process")
+    p.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    p.add_argument("--markdown", action="store_true", help="print docs/patches.md (generated from the registry)")
+    p.add_argument(
+        "--as-loaded",
+        action="store_true",
+        help="do not import the patch targets first (pending patches stay pending)",
+    )
+    p.set_defaults(func=cmd_patches)
     return parser
 
 

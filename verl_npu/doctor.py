@@ -12,6 +12,8 @@ import dataclasses
 import hashlib
 import importlib.machinery
 import importlib.metadata
+import importlib.util
+import json
 import os
 import re
 import resource
@@ -84,6 +86,7 @@ class Probe:
                 "memlock": resource.getrlimit(resource.RLIMIT_MEMLOCK),
             },
             build_manifest_path=build_manifest.find(),
+            meta_path=list(sys.meta_path),
         )
 
     # --- derived views (cached) -------------------------------------------------------------
@@ -107,12 +110,21 @@ class Probe:
         copies = self.distributions.get(_canonical(dist))
         return copies[0][0] if copies else None
 
+    meta_path: Sequence[Any] = ()  # import hooks such as editable installs' finders (current process only)
+
     def module_locations(self, dotted: str) -> list[str]:
-        """Every sys_path entry that provides ``dotted`` (first one wins at import)."""
+        """Every sys_path entry (or import hook) that provides ``dotted``; the first one wins."""
         parts = dotted.split(".")
+        starts = [[entry or "."] for entry in self.sys_path]
+        for finder in self.meta_path:  # editable installs resolve their top-level package here
+            if isinstance(finder, type) and issubclass(finder, importlib.machinery.PathFinder):
+                continue
+            find_spec = getattr(finder, "find_spec", None)
+            top = find_spec(parts[0], None) if find_spec is not None else None
+            if top is not None and top.submodule_search_locations is not None:
+                starts.append([str(Path(loc).parent) for loc in top.submodule_search_locations])
         locations = []
-        for entry in self.sys_path:
-            path = [entry or "."]
+        for path in starts:
             spec = None
             for i, part in enumerate(parts):
                 spec = importlib.machinery.PathFinder.find_spec(part, path)
@@ -588,6 +600,59 @@ def check_system(probe: Probe, target: str) -> list[Finding]:
     return findings
 
 
+def check_layer(probe: Probe, target: str, *, ray: bool = True) -> list[Finding]:
+    """Start Python the way a trainer does (``import verl``) and, with Ray, a worker from it."""
+    if importlib.util.find_spec("verl") is None:
+        return [Finding("layer.process", FAIL, "verl is not installed", f"bash install.sh --target {target}")]
+    want_ray = ray and importlib.util.find_spec("ray") is not None
+    argv = [sys.executable, "-m", "verl_npu.layer_probe", *(["--ray"] if want_ray else [])]
+    try:
+        done = subprocess.run(argv, capture_output=True, text=True, env=dict(probe.env), timeout=600, check=False)
+    except subprocess.TimeoutExpired:
+        return [
+            Finding(
+                "layer.process", FAIL, "probing the layer timed out after 600 s", "run: python -m verl_npu.layer_probe"
+            )
+        ]
+    if done.returncode != 0:
+        last = (done.stderr.strip().splitlines() or ["(no output)"])[-1]
+        return [Finding("layer.process", FAIL, f"`import verl` failed: {last}", "run: python -m verl_npu.layer_probe")]
+    report = json.loads(done.stdout.strip().splitlines()[-1])
+    findings = []
+    proc = report["process"]
+    if proc["active"]:
+        counts: dict[str, int] = {}
+        for status in proc["patches"].values():
+            counts[status] = counts.get(status, 0) + 1
+        summary = ", ".join(f"{n} {s}" for s, n in sorted(counts.items()))
+        findings.append(Finding("layer.process", OK, f"active after `import verl` on {proc['platform']} ({summary})"))
+    else:
+        status = FAIL if target in NPU_TARGETS else WARN
+        findings.append(
+            Finding(
+                "layer.process",
+                status,
+                "`import verl` does not load verl_npu.megatron_adaptor",
+                f"export VERL_USE_EXTERNAL_MODULES={LAYER_MODULE}",
+            )
+        )
+    worker = report.get("ray_worker")
+    if worker is None:
+        findings.append(Finding("layer.ray-worker", OK, "not checked (Ray not installed or --no-ray)"))
+    elif worker["active"] and worker["forwarded"]:
+        findings.append(Finding("layer.ray-worker", OK, "active in a Ray worker; runtime env forwards the layer"))
+    else:
+        status = FAIL if target in NPU_TARGETS or proc["active"] else WARN
+        detail = "a Ray worker " + ("loads" if worker["active"] else "does not load") + " the layer; the runtime env "
+        detail += (
+            "forwards it"
+            if worker["forwarded"]
+            else "does not forward VERL_USE_EXTERNAL_MODULES (workers on other nodes miss it)"
+        )
+        findings.append(Finding("layer.ray-worker", status, detail, f"export VERL_USE_EXTERNAL_MODULES={LAYER_MODULE}"))
+    return findings
+
+
 # --- driver --------------------------------------------------------------------------------------
 
 
@@ -610,7 +675,9 @@ class Report:
         }
 
 
-def diagnose(probe: Probe | None = None, stack: Stack | None = None) -> Report:
+def diagnose(
+    probe: Probe | None = None, stack: Stack | None = None, *, layer: bool = False, ray: bool = True
+) -> Report:
     probe = probe or Probe.current()
     stack = stack or load_stack()
     plat = detect_platform(probe)
@@ -635,4 +702,6 @@ def diagnose(probe: Probe | None = None, stack: Stack | None = None) -> Report:
     findings += check_modules(probe, stack, target)
     findings += check_external_modules(probe, target)
     findings += check_system(probe, target)
+    if layer:
+        findings += check_layer(probe, target, ray=ray)
     return Report(plat, target, findings)

@@ -1,28 +1,44 @@
 """verl-npu runtime layer, loaded in every process by ``import verl``.
 
 Our images set ``VERL_USE_EXTERNAL_MODULES=verl_npu.megatron_adaptor``; verl 0.9.1 imports the
-module named there with a bare ``importlib.import_module`` when ``verl`` is imported, so a failure
+module named there with a bare ``importlib.import_module`` during ``import verl``, so a failure
 here stops the process loudly instead of training on the wrong stack.
 
-Load sequence, once per process:
-  1. stack check: the installed versions of every pinned distribution equal verl_npu/stack/stack.toml
-     (and the image's build manifest). A mismatch raises with expected vs found;
-     ``VERL_NPU_ALLOW_MISMATCH=1`` turns it into a loud warning.
+Load sequence, once per process (``load()`` is idempotent and thread-safe):
+  1. stack check: installed versions of every pinned distribution equal verl_npu/stack/stack.toml
+     (``VERL_NPU_ALLOW_MISMATCH=1`` turns a mismatch into a loud warning);
+  2. platform: ascend / cuda / cpu (``VERL_NPU_PLATFORM`` overrides); a torch_npu that cannot load
+     is reported as a missing CANN environment;
+  3. on Ascend only: import MegatronAdaptor (``megatron_adaptor``), TransformerEngineNPU
+     (``transformer_engine``) and MindSpeed (``mindspeed.megatron_adaptor``), in that order, before
+     ``megatron.core`` is first imported;
+  4. schedule our runtime patches (verl_npu.runtime_patches): each applies when its target module is
+     imported, so the layer adds almost nothing to ``import verl``.
 """
 
 from __future__ import annotations
 
+import importlib
 import os
+import sys
+import threading
 import warnings
 
+from verl_npu import platform as _platform
+from verl_npu.patching import PatchEngine, PatchRecord
 from verl_npu.stack import build_manifest
 from verl_npu.stack.manifest import TARGETS, load_stack
 
 ALLOW_MISMATCH_ENV = "VERL_NPU_ALLOW_MISMATCH"
+UPSTREAM_ADAPTORS = ("megatron_adaptor", "transformer_engine", "mindspeed.megatron_adaptor")
 
 
 class StackMismatchError(RuntimeError):
     """Installed packages differ from the pinned stack."""
+
+
+class LoadOrderError(RuntimeError):
+    """megatron.core was imported before the Ascend adaptors could patch it."""
 
 
 def _target() -> str:
@@ -56,8 +72,82 @@ def check_stack() -> list[str]:
     )
     if os.environ.get(ALLOW_MISMATCH_ENV) == "1":
         warnings.warn(message, RuntimeWarning, stacklevel=2)
+        print(f"[verl-npu] WARNING: {message}", file=sys.stderr)
         return mismatches
     raise StackMismatchError(message)
 
 
-STACK_MISMATCHES = check_stack()
+def import_upstream_adaptors() -> list[str]:
+    """Import the Ascend adaptation of Megatron in its required order; return what was imported."""
+    if "megatron.core" in sys.modules:
+        origin = getattr(sys.modules["megatron.core"], "__file__", "?")
+        raise LoadOrderError(
+            f"megatron.core was imported ({origin}) before verl_npu.megatron_adaptor. On Ascend, "
+            f"{' -> '.join(UPSTREAM_ADAPTORS)} must patch Megatron before its first import. "
+            "Import verl (with VERL_USE_EXTERNAL_MODULES=verl_npu.megatron_adaptor) or "
+            "verl_npu.megatron_adaptor before anything that imports megatron."
+        )
+    imported = []
+    for name in UPSTREAM_ADAPTORS:
+        try:
+            importlib.import_module(name)
+        except ImportError as exc:
+            raise ImportError(
+                f"verl-npu: cannot import {name} ({exc}); the Ascend images install it "
+                "(bash install.sh --target a2|a3), check with `verl-npu doctor`"
+            ) from exc
+        imported.append(name)
+    return imported
+
+
+class Layer:
+    """What ``load()`` did in this process."""
+
+    def __init__(self, platform: str, mismatches: list[str], adaptors: list[str], engine: PatchEngine):
+        self.platform = platform
+        self.stack_mismatches = mismatches
+        self.upstream_adaptors = adaptors
+        self.engine = engine
+
+    def records(self) -> list[PatchRecord]:
+        return self.engine.records()
+
+    def import_patch_targets(self) -> None:
+        """Import every target module, so that each pending patch is applied (or fails) now."""
+        from verl_npu import runtime_patches
+
+        for patch in runtime_patches.ALL:
+            if self.engine.record(patch.id) is not None and self.engine.record(patch.id).status == "pending":
+                importlib.import_module(patch.module)
+
+    def to_dict(self) -> dict:
+        return {
+            "platform": self.platform,
+            "stack_mismatches": self.stack_mismatches,
+            "upstream_adaptors": self.upstream_adaptors,
+            "patches": [r.to_dict() for r in self.records()],
+        }
+
+
+_lock = threading.Lock()
+LAYER: Layer | None = None
+
+
+def load() -> Layer:
+    global LAYER
+    with _lock:
+        if LAYER is not None:
+            return LAYER
+        from verl_npu import runtime_patches
+
+        mismatches = check_stack()
+        platform = _platform.detect()
+        adaptors = import_upstream_adaptors() if platform == "ascend" else []
+        engine = PatchEngine(platform)
+        for patch in runtime_patches.ALL:
+            engine.schedule(patch)
+        LAYER = Layer(platform, mismatches, adaptors, engine)
+        return LAYER
+
+
+load()

@@ -1,0 +1,212 @@
+"""Each runtime patch: a test shows the problem against verl 0.9.1 / megatron-core 0.18.0 without
+the patch, then the fix with it. Patches go through the process's real layer (load())."""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import os
+import socket
+
+import pytest
+import torch
+
+from verl_npu import megatron_adaptor
+from verl_npu.ops.hadamard import hadamard_matrix, hadamard_transform
+from verl_npu.patching import APPLIED, SKIPPED, Patch
+from verl_npu.runtime_patches import dsa_hadamard_fallback, dsa_local_spec, ray_runtime_env, rope_cpu_init
+
+
+@contextlib.contextmanager
+def without(*patches: Patch):
+    """The upstream behaviour: revert our patches for the duration, re-apply them after."""
+    engine = megatron_adaptor.load().engine
+    for patch in patches:
+        importlib.import_module(patch.module)  # resolves a pending patch first
+        engine.revert(patch)
+    try:
+        yield
+    finally:
+        for patch in patches:
+            engine.apply(patch)
+
+
+def applied(patch: Patch) -> None:
+    engine = megatron_adaptor.load().engine
+    importlib.import_module(patch.module)
+    engine.apply(patch)
+    assert engine.record(patch.id).status == APPLIED, engine.record(patch.id)
+
+
+# --- Ray runtime env -----------------------------------------------------------------------------
+
+
+def test_verl_drops_the_layer_from_the_ray_runtime_env_and_the_patch_forwards_it(monkeypatch):
+    monkeypatch.setenv("VERL_USE_EXTERNAL_MODULES", "verl_npu.megatron_adaptor")
+    monkeypatch.setenv("HCCL_DETERMINISTIC", "true")
+    monkeypatch.setenv("CLOSE_MATMUL_K_SHIFT", "1")
+    monkeypatch.delenv("HCCL_BUFFSIZE", raising=False)
+    constants = importlib.import_module("verl.trainer.constants_ppo")
+    with without(ray_runtime_env.PATCH):
+        upstream = constants.get_ppo_ray_runtime_env()["env_vars"]
+    assert "VERL_USE_EXTERNAL_MODULES" not in upstream and "HCCL_DETERMINISTIC" not in upstream
+
+    applied(ray_runtime_env.PATCH)
+    env_vars = constants.get_ppo_ray_runtime_env()["env_vars"]
+    assert env_vars["VERL_USE_EXTERNAL_MODULES"] == "verl_npu.megatron_adaptor"
+    assert env_vars["HCCL_DETERMINISTIC"] == "true" and env_vars["CLOSE_MATMUL_K_SHIFT"] == "1"
+    assert "HCCL_BUFFSIZE" not in env_vars, "unset variables must not be forwarded"
+    for key, value in upstream.items():  # verl's own entries are kept
+        assert env_vars[key] == value
+    main_ppo = importlib.import_module("verl.trainer.main_ppo")
+    if hasattr(main_ppo, "get_ppo_ray_runtime_env"):
+        assert main_ppo.get_ppo_ray_runtime_env is constants.get_ppo_ray_runtime_env
+
+
+# --- Hadamard ------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("size", [1, 2, 8, 64, 128])
+def test_hadamard_is_exact_against_the_explicit_matrix_in_fp32(size):
+    gen = torch.Generator().manual_seed(size)
+    integers = torch.randint(-8, 9, (3, 5, size), generator=gen).to(torch.float32)
+    reference = integers @ hadamard_matrix(size).T
+    assert torch.equal(hadamard_transform(integers), reference)  # integer inputs: bit-exact
+    x = torch.randn(4, size, generator=gen)
+    scale = size**-0.5
+    torch.testing.assert_close(
+        hadamard_transform(x, scale), (x @ hadamard_matrix(size).T) * scale, rtol=1e-6, atol=1e-6
+    )
+
+
+def test_hadamard_bf16_within_bf16_tolerance_and_shape_dtype_contract():
+    x = torch.randn(2, 7, 128)
+    out = hadamard_transform(x.to(torch.bfloat16), 128**-0.5)
+    assert out.dtype == torch.bfloat16 and out.shape == x.shape
+    reference = (x.to(torch.bfloat16).float() @ hadamard_matrix(128).T) * 128**-0.5
+    torch.testing.assert_close(out.float(), reference, rtol=1.6e-2, atol=1e-2)
+
+
+@pytest.mark.parametrize("dim", [3, 100, 129])
+def test_hadamard_pads_non_powers_of_two_and_truncates(dim):
+    x = torch.randn(5, dim)
+    size = 1 << (dim - 1).bit_length()
+    padded = torch.nn.functional.pad(x, (0, size - dim))
+    torch.testing.assert_close(hadamard_transform(x), (padded @ hadamard_matrix(size).T)[:, :dim])
+
+
+def test_hadamard_gradient_is_the_transposed_transform():
+    x = torch.randn(3, 64, requires_grad=True)
+    g = torch.randn(3, 64)
+    hadamard_transform(x, 0.125).backward(g)
+    torch.testing.assert_close(x.grad, (g @ hadamard_matrix(64)) * 0.125)
+
+
+def test_dsa_rotation_fails_without_fast_hadamard_transform_and_the_fallback_matches():
+    dsa = importlib.import_module(dsa_hadamard_fallback.DSA_MODULE)
+    assert dsa.hadamard_transform is None, "this test needs a machine without fast_hadamard_transform"
+    x = torch.randn(2, 3, 4, 128).to(torch.bfloat16)
+    with without(dsa_hadamard_fallback.PATCH), pytest.raises(AssertionError, match="fast_hadamard_transform"):
+        dsa.rotate_activation(x)
+    applied(dsa_hadamard_fallback.PATCH)
+    out = dsa.rotate_activation(x)
+    reference = (x.float() @ hadamard_matrix(128).T) * 128**-0.5
+    assert out.dtype == torch.bfloat16 and out.shape == x.shape
+    torch.testing.assert_close(out.float(), reference, rtol=1.6e-2, atol=1e-2)
+    with pytest.raises(AssertionError, match="only support bf16"):
+        dsa.rotate_activation(x.float())
+
+
+def test_hadamard_fallback_skips_when_the_extension_is_installed(monkeypatch):
+    dsa = importlib.import_module(dsa_hadamard_fallback.DSA_MODULE)
+    monkeypatch.setattr(dsa, "hadamard_transform", lambda x, scale: x * scale)  # stands in for the CUDA extension
+    assert (
+        dsa_hadamard_fallback.PATCH.condition()
+        == "fast_hadamard_transform is installed; megatron's own rotation is used"
+    )
+
+
+# --- DSA on the local spec, with CPU initialisation ------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def model_parallel_cpu():
+    """torch.distributed (gloo, world size 1) and megatron's model-parallel groups on CPU."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+
+    if not dist.is_initialized():
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ["MASTER_PORT"] = str(port)
+        dist.init_process_group("gloo", rank=0, world_size=1)
+    parallel_state.initialize_model_parallel()
+    yield
+    parallel_state.destroy_model_parallel()
+
+
+def dsa_config():
+    from megatron.core.transformer.transformer_config import MLATransformerConfig
+
+    return MLATransformerConfig(
+        num_layers=1, hidden_size=64, num_attention_heads=4, q_lora_rank=32, kv_lora_rank=16,
+        qk_head_dim=16, qk_pos_emb_head_dim=8, v_head_dim=16, use_cpu_initialization=True,
+        normalization="RMSNorm", experimental_attention_variant="dsa", dsa_indexer_n_heads=2,
+        dsa_indexer_head_dim=16, dsa_indexer_topk=4, dsa_indexer_loss_coeff=0.0, rope_type="rope",
+        apply_rope_fusion=False, params_dtype=torch.float32,
+    )  # fmt: skip
+
+
+def build_dsa_attention():
+    from megatron.core.models.backends import LocalSpecProvider
+    from megatron.core.models.gpt.experimental_attention_variant_module_specs import get_dsa_module_spec_for_backend
+    from megatron.core.transformer.spec_utils import build_module
+
+    config = dsa_config()
+    spec = get_dsa_module_spec_for_backend(config, backend=LocalSpecProvider())
+    return build_module(spec, config=config, layer_number=1)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="shows the CPU-only failure; a CUDA machine builds anyway")
+def test_dsa_does_not_build_on_the_local_spec_or_cpu_upstream_and_builds_with_the_patches(model_parallel_cpu):
+    local = (*dsa_local_spec.PATCHES,)
+    with without(*local), pytest.raises(AttributeError, match="'LocalSpecProvider' object has no attribute 'linear'"):
+        build_dsa_attention()
+    with without(dsa_local_spec.MLA_LINEAR), pytest.raises(ValueError, match="Unsupported linear_q_down_proj"):
+        build_dsa_attention()
+    with without(*rope_cpu_init.PATCHES), pytest.raises(RuntimeError, match=r"NVIDIA driver|CUDA"):
+        build_dsa_attention()
+
+    attention = build_dsa_attention()
+    from megatron.core.transformer.experimental_attention_variant.dsa import DSAIndexer
+
+    indexer = next(m for m in attention.modules() if isinstance(m, DSAIndexer))
+    assert isinstance(indexer.linear_wq_b, dsa_local_spec.DuplicatedLinear)
+    assert isinstance(attention.linear_q_down_proj, dsa_local_spec.DuplicatedLinear)
+    assert attention.rotary_pos_emb.inv_freq.device.type == "cpu"
+    assert indexer.rotary_pos_emb.inv_freq.device.type == "cpu"
+    assert all(p.device.type == "cpu" for p in attention.parameters())
+
+
+def test_duplicated_linear_matches_torch_linear_and_marks_its_parameters():
+    config = dsa_config()
+    layer = dsa_local_spec.DuplicatedLinear(
+        16, 8, config=config, init_method=torch.nn.init.normal_, bias=True, skip_bias_add=True
+    )
+    x = torch.randn(3, 2, 16)
+    out, bias = layer(x)
+    torch.testing.assert_close(out, x @ layer.weight.T)
+    assert bias is layer.bias
+    assert all(p.sequence_parallel is config.sequence_parallel for p in layer.parameters())
+    with pytest.raises(ValueError, match="only supports parallel_mode='duplicated', got 'column'"):
+        dsa_local_spec.DuplicatedLinear(16, 8, config=config, init_method=torch.nn.init.normal_, parallel_mode="column")
+
+
+def test_every_patch_of_the_registry_reaches_a_final_status_here():
+    layer = megatron_adaptor.load()
+    layer.import_patch_targets()
+    statuses = {r.id: r.status for r in layer.records()}
+    assert set(statuses) == {p.id for p in __import__("verl_npu.runtime_patches").runtime_patches.ALL}
+    assert set(statuses.values()) <= {APPLIED, SKIPPED}

@@ -1,0 +1,14 @@
+"""verl-npu's runtime patches, one module per change; ``ALL`` is the registry the layer applies.
+
+Each module states what it changes, why, the upstream code it targets and when to remove it.
+docs/patches.md is generated from this registry (`verl-npu patches --markdown`).
+"""
+
+from verl_npu.runtime_patches import dsa_hadamard_fallback, dsa_local_spec, ray_runtime_env, rope_cpu_init
+
+ALL = (
+    ray_runtime_env.PATCH,
+    dsa_hadamard_fallback.PATCH,
+    *dsa_local_spec.PATCHES,
+    *rope_cpu_init.PATCHES,
+)

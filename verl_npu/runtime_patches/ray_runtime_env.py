@@ -1,0 +1,65 @@
+"""Forward the verl-npu layer and Ascend variables to every Ray worker.
+
+Changes: wraps ``verl.trainer.constants_ppo.get_ppo_ray_runtime_env`` so that the runtime env it
+returns also carries ``VERL_USE_EXTERNAL_MODULES``, verl-npu's own switches and the HCCL /
+determinism variables of the launching shell (only those that are set).
+Why: verl 0.9.1 forwards neither. Workers on other nodes inherit the environment of their
+node's raylet, not of the driver, so they would run without the NPU layer or with different
+HCCL timeouts and determinism settings than the driver asked for.
+Upstream: verl 0.9.1 verl/trainer/constants_ppo.py (get_ppo_ray_runtime_env).
+Remove when: verl forwards VERL_USE_EXTERNAL_MODULES and the HCCL variables itself.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+from verl_npu.patching import Patch
+
+FORWARDED_VARIABLES = (
+    "VERL_USE_EXTERNAL_MODULES",
+    "VERL_NPU_ALLOW_MISMATCH",
+    "VERL_NPU_TARGET",
+    "VERL_NPU_BUILD_MANIFEST",
+    "VERL_NPU_PLATFORM",
+    "HCCL_DETERMINISTIC",
+    "CLOSE_MATMUL_K_SHIFT",
+    "HCCL_CONNECT_TIMEOUT",
+    "HCCL_EXEC_TIMEOUT",
+    "HCCL_BUFFSIZE",
+    "HCCL_IF_BASE_PORT",
+    "HCCL_SOCKET_IFNAME",
+    "GLOO_SOCKET_IFNAME",
+    "PYTORCH_NPU_ALLOC_CONF",
+    "ASCEND_LAUNCH_BLOCKING",
+)
+
+
+def _build(original):
+    @functools.wraps(original)
+    def get_ppo_ray_runtime_env(*args, **kwargs):
+        runtime_env = original(*args, **kwargs)
+        env_vars = runtime_env.setdefault("env_vars", {})
+        for name in FORWARDED_VARIABLES:
+            value = os.environ.get(name)
+            if value is not None:
+                env_vars.setdefault(name, value)
+        return runtime_env
+
+    return get_ppo_ray_runtime_env
+
+
+PATCH = Patch(
+    id="ray-runtime-env-forwarding",
+    target="verl.trainer.constants_ppo:get_ppo_ray_runtime_env",
+    kind="wrap",
+    platforms=frozenset({"ascend", "cuda", "cpu"}),
+    requires={"verl": "==0.9.1"},
+    source_sha256="ed578af6fe2ba5c7824be0b4300ce6f1efbeed9cc7218da98bbf8e173798437c",
+    reason="verl's Ray runtime env drops VERL_USE_EXTERNAL_MODULES and the HCCL/determinism variables, "
+    "so workers on other nodes run without the NPU layer",
+    upstream="verl 0.9.1 verl/trainer/constants_ppo.py::get_ppo_ray_runtime_env",
+    remove_when="verl forwards VERL_USE_EXTERNAL_MODULES and HCCL_* variables to Ray workers",
+    build=_build,
+)

@@ -191,3 +191,15 @@ def test_doctor_reports_a_missing_layer_with_the_fix():
     assert findings["layer.process"]["status"] == "warn"  # fail on Ascend targets
     assert findings["layer.process"]["fix"] == f"export VERL_USE_EXTERNAL_MODULES={LAYER}"
     assert findings["layer.ray-worker"]["detail"] == "not checked (Ray not installed or --no-ray)"
+
+
+def test_patches_cli_reports_a_layer_that_cannot_load_without_a_traceback():
+    base = {k: v for k, v in os.environ.items() if not k.startswith(("VERL_NPU_", "VERL_USE_EXTERNAL"))}
+    done = subprocess.run(
+        [sys.executable, "-m", "verl_npu.cli", "patches"],
+        capture_output=True, text=True, env={**base, "VERL_NPU_TARGET": "a3"}, timeout=300, check=False,
+    )  # fmt: skip
+    assert done.returncode == 1
+    assert "the runtime layer failed to load: StackMismatchError" in done.stderr
+    assert "torch-npu: expected 2.10.0.post4, found not installed" in done.stderr
+    assert "Traceback" not in done.stderr

@@ -89,11 +89,18 @@ def cmd_patches(args: argparse.Namespace) -> int:
 
         print(render_markdown(runtime_patches.ALL), end="")
         return 0
-    from verl_npu import megatron_adaptor
+    from verl_npu.errors import CANNEnvironmentError, LoadOrderError, StackMismatchError
+    from verl_npu.patching import PatchError
 
-    layer = megatron_adaptor.load()
-    if not args.as_loaded:
-        layer.import_patch_targets()
+    try:
+        from verl_npu import megatron_adaptor
+
+        layer = megatron_adaptor.load()
+        if not args.as_loaded:
+            layer.import_patch_targets()
+    except (StackMismatchError, LoadOrderError, CANNEnvironmentError, PatchError, ImportError) as exc:
+        print(f"verl-npu: the runtime layer failed to load: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return 1
     if args.json:
         print(json.dumps(layer.to_dict(), indent=2))
         return 0

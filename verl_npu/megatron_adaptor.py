@@ -25,20 +25,13 @@ import threading
 import warnings
 
 from verl_npu import platform as _platform
-from verl_npu.patching import PatchEngine, PatchRecord
+from verl_npu.errors import LoadOrderError, StackMismatchError
+from verl_npu.patching import PENDING, PatchEngine, PatchRecord
 from verl_npu.stack import build_manifest
 from verl_npu.stack.manifest import TARGETS, load_stack
 
 ALLOW_MISMATCH_ENV = "VERL_NPU_ALLOW_MISMATCH"
 UPSTREAM_ADAPTORS = ("megatron_adaptor", "transformer_engine", "mindspeed.megatron_adaptor")
-
-
-class StackMismatchError(RuntimeError):
-    """Installed packages differ from the pinned stack."""
-
-
-class LoadOrderError(RuntimeError):
-    """megatron.core was imported before the Ascend adaptors could patch it."""
 
 
 def _target() -> str:
@@ -117,7 +110,8 @@ class Layer:
         from verl_npu import runtime_patches
 
         for patch in runtime_patches.ALL:
-            if self.engine.record(patch.id) is not None and self.engine.record(patch.id).status == "pending":
+            record = self.engine.record(patch.id)
+            if record is not None and record.status == PENDING:
                 importlib.import_module(patch.module)
 
     def to_dict(self) -> dict:

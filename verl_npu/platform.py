@@ -5,12 +5,10 @@ from __future__ import annotations
 import importlib.util
 import os
 
+from verl_npu.errors import CANNEnvironmentError
+
 PLATFORM_ENV = "VERL_NPU_PLATFORM"
 SET_ENV = "/usr/local/Ascend/ascend-toolkit/set_env.sh"
-
-
-class CANNEnvironmentError(RuntimeError):
-    """torch_npu is installed but cannot load: CANN's environment is missing."""
 
 
 def detect() -> str:

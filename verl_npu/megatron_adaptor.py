@@ -13,7 +13,9 @@ Load sequence, once per process (``load()`` is idempotent and thread-safe):
      (``transformer_engine``) and MindSpeed (``mindspeed.megatron_adaptor``), in that order, before
      ``megatron.core`` is first imported;
   4. schedule our runtime patches (verl_npu.runtime_patches): each applies when its target module is
-     imported, so the layer adds almost nothing to ``import verl``.
+     imported, so the layer adds almost nothing to ``import verl``;
+  5. register the NPU Megatron engine (verl_npu.engine.verl_engine) with verl's EngineRegistry when
+     ``verl.workers.engine`` is imported.
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ import warnings
 
 from verl_npu import platform as _platform
 from verl_npu.errors import LoadOrderError, StackMismatchError
-from verl_npu.patching import PENDING, PatchEngine, PatchRecord
+from verl_npu.patching import PENDING, PatchEngine, PatchRecord, hooks
 from verl_npu.stack import build_manifest
 from verl_npu.stack.manifest import TARGETS, load_stack
 
@@ -123,6 +125,10 @@ class Layer:
         }
 
 
+def _register_engines(_module) -> None:
+    importlib.import_module("verl_npu.engine.verl_engine")
+
+
 _lock = threading.Lock()
 LAYER: Layer | None = None
 
@@ -140,6 +146,8 @@ def load() -> Layer:
         engine = PatchEngine(platform)
         for patch in runtime_patches.ALL:
             engine.schedule(patch)
+        # Our engines register with verl when verl's engine package is imported (not eagerly: it imports megatron).
+        hooks.when_imported("verl.workers.engine", _register_engines)
         LAYER = Layer(platform, mismatches, adaptors, engine)
         return LAYER
 

@@ -1,0 +1,115 @@
+"""CPU test harness for megatron-core 0.18: run a tiny GPT + DDP + distributed optimizer on CPU.
+
+Megatron hard-codes CUDA in RNG seeding, buffer placement, the optimizer's overflow buffer and a
+few type checks. Ascend's adaptor redirects those calls to the NPU; this harness redirects them to
+the CPU, in this test process only, so the engine's platform-neutral pieces run against real
+megatron objects in CI. It stands in for the accelerator, nothing else: model, DDP buffers,
+optimizer and its state are megatron's own.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+
+import torch
+from torch.overrides import TorchFunctionMode
+
+
+class _CudaToCpu(TorchFunctionMode):
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = dict(kwargs or {})
+        device = kwargs.get("device")
+        if device is not None and (isinstance(device, int) or str(device).startswith("cuda")):
+            kwargs["device"] = "cpu"
+        if func is torch.Tensor.cuda:
+            return args[0]
+        if func is torch.Tensor.type and len(args) == 1 and not kwargs:
+            return func(*args).replace("torch.", "torch.cuda.", 1)  # megatron checks for cuda tensor types
+        return func(*args, **kwargs)
+
+
+_ACTIVE = False
+
+
+def activate() -> None:
+    """Redirect megatron's CUDA calls to the CPU for the rest of this process (idempotent)."""
+    global _ACTIVE
+    if _ACTIVE:
+        return
+    import megatron.core.tensor_parallel.random as megatron_random
+
+    torch.cuda.current_device = lambda: torch.device("cpu")
+    torch.cuda.is_available = lambda: False
+    torch.cuda.synchronize = lambda *args, **kwargs: None
+    torch.cuda.get_rng_state = lambda *args, **kwargs: torch.get_rng_state()
+    torch.cuda.manual_seed = lambda seed: torch.manual_seed(seed)
+    megatron_random._set_cuda_rng_state = lambda new_state, *args, **kwargs: torch.set_rng_state(new_state)
+    megatron_random._get_cuda_rng_state = lambda *args, **kwargs: torch.get_rng_state()
+    _CudaToCpu().__enter__()
+    _ACTIVE = True
+
+
+def init_model_parallel() -> None:
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+
+    if not dist.is_initialized():
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        os.environ["MASTER_ADDR"] = "127.0.0.1"
+        os.environ["MASTER_PORT"] = str(port)
+        dist.init_process_group("gloo", rank=0, world_size=1)
+    if not parallel_state.model_parallel_is_initialized():
+        parallel_state.initialize_model_parallel()
+
+
+def tiny_gpt(seed: int = 1234, *, distributed_optimizer: bool = True, hidden: int = 64, layers: int = 2):
+    """(ddp_model, optimizer) for a tiny GPT on CPU, deterministic for a given seed."""
+    from megatron.core import tensor_parallel
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    activate()
+    init_model_parallel()
+    torch.manual_seed(seed)
+    tensor_parallel.model_parallel_cuda_manual_seed(seed)
+    config = TransformerConfig(
+        num_layers=layers, hidden_size=hidden, num_attention_heads=4, use_cpu_initialization=True,
+        params_dtype=torch.float32, normalization="RMSNorm", hidden_dropout=0.0, attention_dropout=0.0,
+    )  # fmt: skip
+    model = GPTModel(
+        config=config,
+        transformer_layer_spec=get_gpt_layer_local_spec(normalization="RMSNorm"),
+        vocab_size=128,
+        max_sequence_length=32,
+    )
+    ddp_config = DistributedDataParallelConfig(
+        use_distributed_optimizer=distributed_optimizer, grad_reduce_in_fp32=True
+    )
+    ddp = DistributedDataParallel(config, ddp_config, model)
+    optimizer = get_megatron_optimizer(
+        OptimizerConfig(
+            optimizer="adam", lr=1e-2, use_distributed_optimizer=distributed_optimizer, params_dtype=torch.float32
+        ),
+        [ddp],
+    )
+    return ddp, optimizer
+
+
+def train_step(ddp, optimizer, step: int) -> float:
+    """One deterministic training step on a fixed batch derived from ``step``; returns the loss."""
+    gen = torch.Generator().manual_seed(10_000 + step)
+    tokens = torch.randint(0, 128, (2, 16), generator=gen)
+    positions = torch.arange(16).unsqueeze(0).expand(2, -1)
+    ddp.zero_grad_buffer()
+    optimizer.zero_grad()
+    loss = ddp(tokens, positions, None, labels=tokens).float().mean()
+    loss.backward()
+    ddp.finish_grad_sync()
+    optimizer.step()
+    return loss.item()

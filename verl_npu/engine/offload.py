@@ -80,6 +80,7 @@ class OffloadManager:
         self._slots: dict[str, list[_Slot]] = {}
         self._arenas: dict[str, torch.Tensor] = {}
         self._on_host: dict[str, bool] = dict.fromkeys(KINDS, False)
+        self._registered: list[torch.Tensor] = []
         self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="verl-npu-arena")
         self._pending_arenas: dict[str, concurrent.futures.Future] = {}
         for kind in ("params", "optimizer"):
@@ -130,6 +131,16 @@ class OffloadManager:
         return slots[-1].offset + slots[-1].nbytes if slots else 0
 
     def _allocate(self, nbytes: int) -> torch.Tensor:
+        if self.device.type == "cuda":
+            # torch's pinned allocator rounds every block up to a power of two (an 8.8 GB arena would
+            # lock 16 GB); registering an exact pageable allocation pins exactly what we use.
+            arena = torch.empty(nbytes, dtype=torch.uint8)
+            if torch.cuda.cudart().cudaHostRegister(arena.data_ptr(), nbytes, 0) == 0:
+                self._registered.append(arena)
+                return arena
+            logger.warning(
+                "verl-npu offload: cudaHostRegister of %d bytes failed; using torch's pinned allocator", nbytes
+            )
         return torch.empty(nbytes, dtype=torch.uint8, pin_memory=self._pin)
 
     def _arena(self, kind: str) -> torch.Tensor:
@@ -141,7 +152,7 @@ class OffloadManager:
         if arena is None or arena.numel() < need:
             if arena is not None:
                 logger.info("verl-npu offload: %s arena grows from %d to %d bytes", kind, arena.numel(), need)
-                del self._arenas[kind]
+                self._release(self._arenas.pop(kind))
             self._arenas[kind] = arena = self._allocate(need)
         return arena
 
@@ -260,5 +271,19 @@ class OffloadManager:
         if self._accel is not None:
             self._accel.current_stream(self.device).synchronize()
 
+    def _release(self, arena: torch.Tensor) -> None:
+        if any(arena is registered for registered in self._registered):
+            torch.cuda.cudart().cudaHostUnregister(arena.data_ptr())
+            self._registered = [r for r in self._registered if r is not arena]
+
     def close(self) -> None:
+        """Give the host arenas back (the state must be on the device: onload first)."""
         self._pool.shutdown(wait=True)
+        for kind in KINDS:
+            if self._on_host[kind]:
+                raise RuntimeError(f"close(): {kind} is still offloaded; onload it first")
+        arenas = [*self._arenas.values(), *(future.result() for future in self._pending_arenas.values())]
+        for arena in arenas:
+            self._release(arena)
+        self._arenas.clear()
+        self._pending_arenas.clear()

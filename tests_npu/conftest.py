@@ -51,3 +51,14 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 @pytest.fixture
 def repo_root() -> Path:
     return REPO_ROOT
+
+
+@pytest.fixture(scope="module")
+def cpu_megatron_harness():
+    """megatron's CUDA calls redirected to the CPU for one test module (tests_npu/support/cpu_megatron.py)."""
+    from support import cpu_megatron
+
+    cpu_megatron.activate()
+    cpu_megatron.init_model_parallel()
+    yield cpu_megatron
+    cpu_megatron.deactivate()

@@ -23,6 +23,9 @@ def state_bytes(ddp, optimizer) -> dict[str, torch.Tensor]:
     return out
 
 
+pytestmark = pytest.mark.usefixtures("cpu_megatron_harness")
+
+
 @pytest.fixture
 def trained():
     ddp, optimizer = cpu_megatron.tiny_gpt(seed=7)

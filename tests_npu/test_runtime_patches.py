@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import contextlib
 import importlib
-import os
-import socket
 
 import pytest
 import torch
@@ -131,20 +129,10 @@ def test_hadamard_fallback_skips_when_the_extension_is_installed(monkeypatch):
 
 @pytest.fixture(scope="module")
 def model_parallel_cpu():
-    """torch.distributed (gloo, world size 1) and megatron's model-parallel groups on CPU."""
-    import torch.distributed as dist
-    from megatron.core import parallel_state
+    """torch.distributed (gloo, world size 1) and megatron's model-parallel groups, without the CUDA harness."""
+    from support import cpu_megatron
 
-    if not dist.is_initialized():
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        os.environ["MASTER_PORT"] = str(port)
-        dist.init_process_group("gloo", rank=0, world_size=1)
-    parallel_state.initialize_model_parallel()
-    yield
-    parallel_state.destroy_model_parallel()
+    cpu_megatron.init_model_parallel()
 
 
 def dsa_config():

@@ -29,25 +29,43 @@ class _CudaToCpu(TorchFunctionMode):
         return func(*args, **kwargs)
 
 
-_ACTIVE = False
+_saved: list[tuple[object, str, object]] = []
+_mode: _CudaToCpu | None = None
+
+
+def _replace(owner: object, name: str, value: object) -> None:
+    _saved.append((owner, name, getattr(owner, name)))
+    setattr(owner, name, value)
 
 
 def activate() -> None:
-    """Redirect megatron's CUDA calls to the CPU for the rest of this process (idempotent)."""
-    global _ACTIVE
-    if _ACTIVE:
+    """Redirect megatron's CUDA calls to the CPU until :func:`deactivate` (idempotent)."""
+    global _mode
+    if _mode is not None:
         return
     import megatron.core.tensor_parallel.random as megatron_random
 
-    torch.cuda.current_device = lambda: torch.device("cpu")
-    torch.cuda.is_available = lambda: False
-    torch.cuda.synchronize = lambda *args, **kwargs: None
-    torch.cuda.get_rng_state = lambda *args, **kwargs: torch.get_rng_state()
-    torch.cuda.manual_seed = lambda seed: torch.manual_seed(seed)
-    megatron_random._set_cuda_rng_state = lambda new_state, *args, **kwargs: torch.set_rng_state(new_state)
-    megatron_random._get_cuda_rng_state = lambda *args, **kwargs: torch.get_rng_state()
-    _CudaToCpu().__enter__()
-    _ACTIVE = True
+    _replace(torch.cuda, "current_device", lambda: torch.device("cpu"))
+    _replace(torch.cuda, "is_available", lambda: False)
+    _replace(torch.cuda, "synchronize", lambda *args, **kwargs: None)
+    _replace(torch.cuda, "get_rng_state", lambda *args, **kwargs: torch.get_rng_state())
+    _replace(torch.cuda, "manual_seed", lambda seed: torch.manual_seed(seed))
+    _replace(megatron_random, "_set_cuda_rng_state", lambda new_state, *a, **k: torch.set_rng_state(new_state))
+    _replace(megatron_random, "_get_cuda_rng_state", lambda *args, **kwargs: torch.get_rng_state())
+    _mode = _CudaToCpu()
+    _mode.__enter__()
+
+
+def deactivate() -> None:
+    """Undo :func:`activate`: the rest of the test session sees the real torch.cuda again."""
+    global _mode
+    if _mode is None:
+        return
+    _mode.__exit__(None, None, None)
+    _mode = None
+    while _saved:
+        owner, name, value = _saved.pop()
+        setattr(owner, name, value)
 
 
 def init_model_parallel() -> None:

@@ -1,0 +1,50 @@
+"""The GLM-5-shaped test model builds on megatron-core's local spec and trains on CPU (harness)."""
+
+from __future__ import annotations
+
+import torch
+from transformers import GlmMoeDsaConfig
+
+import verl_npu.megatron_adaptor  # noqa: F401  (runtime patches: DSA on the local spec, Hadamard, CPU init)
+from verl_npu.engine.glm5_model import build_glm5_model, transformer_config_from_hf
+from verl_npu.ops.rmsnorm import RMSNorm
+
+HF = GlmMoeDsaConfig(
+    vocab_size=128, hidden_size=128, num_hidden_layers=2, num_attention_heads=4, intermediate_size=256,
+    moe_intermediate_size=64, n_routed_experts=4, n_shared_experts=1, num_experts_per_tok=2, first_k_dense_replace=1,
+    q_lora_rank=64, kv_lora_rank=32, qk_nope_head_dim=32, qk_rope_head_dim=16, v_head_dim=32,
+    index_n_heads=4, index_head_dim=32, index_topk=8, max_position_embeddings=64,
+)  # fmt: skip
+
+
+def test_config_mapping_follows_the_hf_config():
+    config = transformer_config_from_hf(GlmMoeDsaConfig())  # GLM-5 defaults
+    assert (config.num_layers, config.hidden_size, config.num_attention_heads) == (78, 6144, 64)
+    assert (config.num_moe_experts, config.moe_router_topk, config.moe_ffn_hidden_size) == (256, 8, 2048)
+    assert (config.kv_lora_rank, config.q_lora_rank, config.v_head_dim) == (512, 2048, 256)
+    assert (config.dsa_indexer_topk, config.dsa_indexer_n_heads, config.dsa_indexer_head_dim) == (2048, 32, 128)
+    assert config.experimental_attention_variant == "dsa" and config.qk_layernorm
+
+
+def test_tiny_glm5_builds_with_fused_rmsnorm_and_trains_on_cpu(cpu_megatron_harness):
+    from megatron.core import tensor_parallel
+    from megatron.core.transformer.experimental_attention_variant.dsa import DSAttention
+    from megatron.core.transformer.module import Float16Module
+    from megatron.core.transformer.moe.moe_layer import MoELayer
+
+    tensor_parallel.model_parallel_cuda_manual_seed(1)
+    model = build_glm5_model(
+        HF, fused_rmsnorm=True, use_cpu_initialization=True, params_dtype=torch.bfloat16, bf16=True
+    )
+    layers = model.decoder.layers
+    assert isinstance(layers[0].input_layernorm, RMSNorm) and isinstance(model.decoder.final_layernorm, RMSNorm)
+    assert not isinstance(layers[0].mlp, MoELayer) and isinstance(layers[1].mlp, MoELayer)  # first_k_dense_replace
+    assert all(any(isinstance(m, DSAttention) for m in layer.modules()) for layer in layers)
+    wrapped = Float16Module(model.config, model)
+    tokens = torch.randint(0, 128, (2, 16))
+    positions = torch.arange(16).unsqueeze(0).expand(2, -1)
+    loss = wrapped(tokens, positions, None, labels=tokens).float().mean()
+    loss.backward()
+    assert torch.isfinite(loss)
+    grads = [p.grad for p in model.parameters() if p.requires_grad]
+    assert sum(g is not None and bool(torch.count_nonzero(g)) for g in grads) > len(grads) // 2

@@ -70,14 +70,9 @@ def batch(step: int):
 
 
 def train_step(ddp, optimizer, step: int) -> float:
-    tokens, positions = batch(step)
-    ddp.zero_grad_buffer()
-    optimizer.zero_grad()
-    loss = ddp(tokens, positions, None, labels=tokens).float().mean()
-    loss.backward()
-    ddp.finish_grad_sync()
-    optimizer.step()
-    return loss.item()
+    from support.cpu_megatron import run_step  # the step itself is device-neutral
+
+    return run_step(ddp, optimizer, *batch(step))
 
 
 def test_five_steps_with_full_offload_cycles_equal_the_no_offload_run(device):

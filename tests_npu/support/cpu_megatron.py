@@ -123,7 +123,11 @@ def train_step(ddp, optimizer, step: int) -> float:
     """One deterministic training step on a fixed batch derived from ``step``; returns the loss."""
     gen = torch.Generator().manual_seed(10_000 + step)
     tokens = torch.randint(0, 128, (2, 16), generator=gen)
-    positions = torch.arange(16).unsqueeze(0).expand(2, -1)
+    return run_step(ddp, optimizer, tokens, torch.arange(16).unsqueeze(0).expand(2, -1))
+
+
+def run_step(ddp, optimizer, tokens: torch.Tensor, positions: torch.Tensor) -> float:
+    """Forward, backward, gradient sync and optimizer step of a megatron DDP model; returns the loss."""
     ddp.zero_grad_buffer()
     optimizer.zero_grad()
     loss = ddp(tokens, positions, None, labels=tokens).float().mean()

@@ -151,14 +151,20 @@ class PatchEngine:
         return problems
 
     # --- apply / revert ----------------------------------------------------------------------
+    def _settled(self, patch: Patch) -> PatchRecord | None:
+        """Remember the patch; return its record when it is already applied or not for this platform."""
+        self._known[patch.id] = patch
+        if patch.id in self._active:
+            return self._records[patch.id]
+        if self.platform not in patch.platforms:
+            return self._set(patch, SKIPPED, f"platform {self.platform} not in {sorted(patch.platforms)}")
+        return None
+
     def schedule(self, patch: Patch) -> PatchRecord:
         """Apply now if the target module is imported, else as soon as it is."""
         with self._lock:
-            self._known[patch.id] = patch
-            if patch.id in self._active:
-                return self._records[patch.id]
-            if self.platform not in patch.platforms:
-                return self._set(patch, SKIPPED, f"platform {self.platform} not in {sorted(patch.platforms)}")
+            if (settled := self._settled(patch)) is not None:
+                return settled
             if patch.id in self._hooks:
                 return self._records[patch.id]
 
@@ -175,11 +181,8 @@ class PatchEngine:
     def apply(self, patch: Patch) -> PatchRecord:
         """Import the target module and apply now."""
         with self._lock:
-            self._known[patch.id] = patch
-            if patch.id in self._active:
-                return self._records[patch.id]
-            if self.platform not in patch.platforms:
-                return self._set(patch, SKIPPED, f"platform {self.platform} not in {sorted(patch.platforms)}")
+            if (settled := self._settled(patch)) is not None:
+                return settled
         return self._apply_to(patch, importlib.import_module(patch.module))
 
     def _apply_to(self, patch: Patch, module: ModuleType) -> PatchRecord:

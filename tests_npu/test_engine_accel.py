@@ -103,7 +103,7 @@ def test_checkpoint_while_offloaded_then_restore_and_resume_gives_identical_loss
         train_step(ddp, optimizer, s)
     manager = OffloadManager([ddp], optimizer, device=device)
     manager.offload()
-    with manager.resident("params", "optimizer"):  # save while offloaded
+    with manager.resident(["params", "optimizer"]):  # save while offloaded
         saved_params = [p.detach().clone() for p in ddp.parameters()]
         saved_state = [
             {k: v.detach().clone() for k, v in state.items() if torch.is_tensor(v)}

@@ -90,10 +90,10 @@ def test_offload_and_onload_are_idempotent_and_logged(trained, caplog):
     ddp, optimizer = trained
     manager = OffloadManager([ddp], optimizer, device="cpu")
     with caplog.at_level(logging.DEBUG, logger="verl_npu.engine.offload"):
-        manager.offload("params")
-        manager.offload("params")
-        manager.onload("params")
-        manager.onload("params")
+        manager.offload(["params"])
+        manager.offload(["params"])
+        manager.onload(["params"])
+        manager.onload(["params"])
     messages = [r.getMessage() for r in caplog.records]
     assert sum(m.startswith("verl-npu offload params:") for m in messages) == 1
     assert sum(m.startswith("verl-npu onload params:") for m in messages) == 1
@@ -108,7 +108,7 @@ def test_checkpoint_state_is_the_same_offloaded_or_not_and_never_offloaded_works
         assert state_bytes(ddp, optimizer).keys() == expected.keys()
     manager = OffloadManager([ddp], optimizer, device="cpu")
     manager.offload()
-    with manager.resident("params", "optimizer"):
+    with manager.resident(["params", "optimizer"]):
         saved = state_bytes(ddp, optimizer)
         model_state = {k: v.clone() for k, v in ddp.state_dict().items() if isinstance(v, torch.Tensor)}
     assert manager.on_host("params") and manager.on_host("optimizer")

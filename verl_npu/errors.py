@@ -1,5 +1,8 @@
 """Errors the runtime layer raises while loading (importable without loading the layer)."""
 
+import sys
+import warnings
+
 
 class StackMismatchError(RuntimeError):
     """Installed packages differ from the pinned stack."""
@@ -11,3 +14,9 @@ class LoadOrderError(RuntimeError):
 
 class CANNEnvironmentError(RuntimeError):
     """torch_npu is installed but cannot load: CANN's environment is missing."""
+
+
+def warn_loudly(message: str, category: type[Warning] = RuntimeWarning) -> None:
+    """A warning that no log level hides: Python's warning plus a line on stderr, on every rank."""
+    warnings.warn(message, category, stacklevel=3)
+    print(f"[verl-npu] WARNING: {message}", file=sys.stderr)

@@ -24,15 +24,13 @@ import importlib
 import os
 import sys
 import threading
-import warnings
 
 from verl_npu import platform as _platform
-from verl_npu.errors import LoadOrderError, StackMismatchError
-from verl_npu.patching import PENDING, PatchEngine, PatchRecord, hooks
+from verl_npu.errors import LoadOrderError, StackMismatchError, warn_loudly
+from verl_npu.patching import ALLOW_MISMATCH_ENV, PENDING, PatchEngine, PatchRecord, hooks
 from verl_npu.stack import build_manifest
 from verl_npu.stack.manifest import TARGETS, load_stack
 
-ALLOW_MISMATCH_ENV = "VERL_NPU_ALLOW_MISMATCH"
 UPSTREAM_ADAPTORS = ("megatron_adaptor", "transformer_engine", "mindspeed.megatron_adaptor")
 
 
@@ -50,13 +48,8 @@ def _target() -> str:
 
 def check_stack() -> list[str]:
     """Return the mismatches (empty when the stack is as pinned); raise unless allowed."""
-    stack = load_stack()
     target = _target()
-    mismatches = []
-    for dist, expected in sorted(stack.expected_versions(target).items()):
-        found = build_manifest.installed_version(dist)
-        if not build_manifest.same_version(found, expected):
-            mismatches.append(f"{dist}: expected {expected}, found {found or 'not installed'}")
+    _, mismatches = build_manifest.installed_versions(load_stack(), target)
     if not mismatches:
         return []
     message = (
@@ -66,8 +59,7 @@ def check_stack() -> list[str]:
         f"or set {ALLOW_MISMATCH_ENV}=1 to continue at your own risk."
     )
     if os.environ.get(ALLOW_MISMATCH_ENV) == "1":
-        warnings.warn(message, RuntimeWarning, stacklevel=2)
-        print(f"[verl-npu] WARNING: {message}", file=sys.stderr)
+        warn_loudly(message)
         return mismatches
     raise StackMismatchError(message)
 

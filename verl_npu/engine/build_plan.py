@@ -203,10 +203,8 @@ def build_plan(engine_config: Any, optimizer_config: Any, hf_config: Any, platfo
     if _get(engine_config, "optimizer_offload", False):
         features.append("optimizer_offload")
     precision_aware = bool(_get(optimizer_config, "use_precision_aware_optimizer", False))
-    dtypes = {
-        key: _DTYPE_ALIASES.get(str(_get(optimizer_config, key, "fp32")), str(_get(optimizer_config, key)))
-        for key in PRECISIONS
-    }
+    raw = {key: str(_get(optimizer_config, key, "fp32")) for key in PRECISIONS}
+    dtypes = {key: _DTYPE_ALIASES.get(value, value) for key, value in raw.items()}
     for key, value in dtypes.items():
         if value not in PRECISIONS[key]:
             _fail(

@@ -168,33 +168,39 @@ class OffloadManager:
         rate = nbytes / seconds / 1e9
         logger.debug("verl-npu %s %s: %d bytes in %.4f s (%.1f GB/s)", what, kind, nbytes, seconds, rate)
 
-    def offload(self, *kinds: str) -> None:
-        for kind in kinds or KINDS:
+    def _copy_to_arena(self, kind: str) -> list[_Slot]:
+        """Copy every storage of ``kind`` into its host arena; returns once the bytes have landed."""
+        slots = self._layout(kind)
+        arena = self._arena(kind)
+        with self._side_stream():
+            for slot in slots:
+                arena[slot.offset : slot.offset + slot.nbytes].copy_(
+                    _bytes_view(slot.storage, self.device), non_blocking=self._pin
+                )
+        self._wait_side_stream_on_host()
+        return slots
+
+    def offload(self, kinds: Iterable[str] = KINDS) -> None:
+        for kind in kinds:
             if self._on_host[kind]:
                 continue
             started = time.perf_counter()
-            slots = self._layout(kind)
             if kind == "grads":
+                slots = self._layout(kind)
                 self._sync_compute()
                 for slot in slots:
                     slot.storage.resize_(0)
                 self._on_host[kind] = True
                 self._log("released", kind, sum(s.nbytes for s in slots), started)
                 continue
-            arena = self._arena(kind)
-            with self._side_stream():
-                for slot in slots:
-                    arena[slot.offset : slot.offset + slot.nbytes].copy_(
-                        _bytes_view(slot.storage, self.device), non_blocking=self._pin
-                    )
-            self._wait_side_stream_on_host()
+            slots = self._copy_to_arena(kind)
             for slot in slots:
                 slot.storage.resize_(0)
             self._on_host[kind] = True
             self._log("offload", kind, sum(s.nbytes for s in slots), started)
 
-    def onload(self, *kinds: str) -> None:
-        for kind in kinds or KINDS:
+    def onload(self, kinds: Iterable[str] = KINDS) -> None:
+        for kind in kinds:
             if not self._on_host[kind]:
                 continue
             started = time.perf_counter()
@@ -218,17 +224,14 @@ class OffloadManager:
             self._log("onload", kind, sum(s.nbytes for s in slots), started)
 
     @contextlib.contextmanager
-    def resident(self, *kinds: str) -> Iterator[None]:
+    def resident(self, kinds: Iterable[str] = KINDS) -> Iterator[None]:
         """State on the device for the duration (checkpoint save/load), then back where it was."""
-        moved = [k for k in kinds or KINDS if self._on_host[k]]
-        if not moved:
-            yield
-            return
-        self.onload(*moved)
+        moved = [k for k in kinds if self._on_host[k]]
+        self.onload(moved)
         try:
             yield
         finally:
-            self.offload(*moved)
+            self.offload(moved)
 
     def snapshot_params_to_host(self) -> torch.Tensor:
         """Copy the parameters into their host arena (a checkpoint snapshot) and return the arena.
@@ -238,16 +241,9 @@ class OffloadManager:
         if self._on_host["params"]:
             return self._arenas["params"]
         started = time.perf_counter()
-        slots = self._layout("params")
-        arena = self._arena("params")
-        with self._side_stream():
-            for slot in slots:
-                arena[slot.offset : slot.offset + slot.nbytes].copy_(
-                    _bytes_view(slot.storage, self.device), non_blocking=self._pin
-                )
-        self._wait_side_stream_on_host()
+        slots = self._copy_to_arena("params")
         self._log("snapshot", "params", sum(s.nbytes for s in slots), started)
-        return arena
+        return self._arenas["params"]
 
     # --- streams -------------------------------------------------------------------------------
     @contextlib.contextmanager

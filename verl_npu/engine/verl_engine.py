@@ -51,14 +51,13 @@ class NPUMegatronEngineMixin:
         return self._offload_manager
 
     def to(self, device: str, model: bool = True, optimizer: bool = True, grad: bool = True):
-        kinds = [k for k, on in (("params", model), ("grads", grad and model), ("optimizer", optimizer)) if on]
-        if optimizer and self.optimizer is None:
-            kinds.remove("optimizer")
+        wanted = (("params", model), ("grads", grad and model), ("optimizer", optimizer and self.optimizer is not None))
+        kinds = [kind for kind, on in wanted if on]
         manager = self._offloader()
         if device == "cpu":
-            manager.offload(*kinds)
+            manager.offload(kinds)
         elif device == get_device_name():
-            manager.onload(*kinds)
+            manager.onload(kinds)
         else:
             raise ValueError(f"verl-npu engine: cannot move state to {device!r}; use 'cpu' or {get_device_name()!r}")
 

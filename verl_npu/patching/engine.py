@@ -17,12 +17,12 @@ import inspect
 import os
 import sys
 import threading
-import warnings
 from types import ModuleType
 from typing import Any
 
 from packaging.specifiers import SpecifierSet
 
+from verl_npu.errors import warn_loudly
 from verl_npu.patching import hooks
 from verl_npu.patching.spec import Patch, source_fingerprint
 
@@ -136,8 +136,7 @@ class PatchEngine:
         text = f"verl-npu patch {patch.id} ({patch.target}): {message}"
         if not self.allow_mismatch:
             raise error(f"{text}. Set {ALLOW_MISMATCH_ENV}=1 to apply it anyway (at your own risk).")
-        warnings.warn(f"{text}; applied anyway because {ALLOW_MISMATCH_ENV}=1", PatchMismatchWarning, stacklevel=3)
-        print(f"[verl-npu] WARNING: {text}; applied anyway ({ALLOW_MISMATCH_ENV}=1)", file=sys.stderr)
+        warn_loudly(f"{text}; applied anyway because {ALLOW_MISMATCH_ENV}=1", PatchMismatchWarning)
         return message
 
     def _check_versions(self, patch: Patch) -> list[str]:

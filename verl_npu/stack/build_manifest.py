@@ -53,10 +53,9 @@ def _read_resolved(path: Path | None) -> dict[str, str]:
     return resolved
 
 
-def compose(stack: Stack, target: str, resolved: dict[str, str]) -> dict[str, Any]:
-    """Everything but the date; raises when an installed version differs from the manifest."""
-    if target not in TARGETS:
-        raise BuildManifestError(f"unknown target {target!r}; valid: {', '.join(TARGETS)}")
+def installed_versions(stack: Stack, target: str) -> tuple[dict[str, dict[str, str | None]], list[str]]:
+    """dist -> {expected, installed} for every pinned distribution of ``target``, and the mismatches
+    as "dist: expected X, found Y" lines (empty when the environment is as pinned)."""
     versions = {}
     mismatches = []
     for dist, expected in sorted(stack.expected_versions(target).items()):
@@ -64,6 +63,14 @@ def compose(stack: Stack, target: str, resolved: dict[str, str]) -> dict[str, An
         versions[dist] = {"expected": expected, "installed": found}
         if not same_version(found, expected):
             mismatches.append(f"{dist}: expected {expected}, found {found or 'not installed'}")
+    return versions, mismatches
+
+
+def compose(stack: Stack, target: str, resolved: dict[str, str]) -> dict[str, Any]:
+    """Everything but the date; raises when an installed version differs from the manifest."""
+    if target not in TARGETS:
+        raise BuildManifestError(f"unknown target {target!r}; valid: {', '.join(TARGETS)}")
+    versions, mismatches = installed_versions(stack, target)
     if mismatches:
         raise BuildManifestError(
             "installed versions differ from verl_npu/stack/stack.toml:\n  " + "\n  ".join(mismatches)

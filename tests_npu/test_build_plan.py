@@ -10,7 +10,7 @@ from verl_npu.engine.build_plan import BuildPlanError, build_plan
 
 
 def engine(**overrides) -> McoreEngineConfig:
-    return McoreEngineConfig(**{"use_remove_padding": False, **overrides})
+    return McoreEngineConfig(**{"use_remove_padding": False, "vanilla_mbridge": True, **overrides})
 
 
 def optim(**overrides) -> McoreOptimizerConfig:
@@ -25,6 +25,11 @@ class LayerNormModel:
     """A model config with LayerNorm (no rms_norm_eps), like GPT-2 / OPT."""
 
     layer_norm_eps = 1e-5
+
+
+def test_megatron_bridge_path_is_refused_with_the_mbridge_alternative():
+    with pytest.raises(BuildPlanError, match=r"megatron\.vanilla_mbridge=False.*Megatron-Bridge.*vanilla_mbridge=True"):
+        build_plan(engine(vanilla_mbridge=False), optim(), LLAMA, "cuda")
 
 
 def test_plain_dense_model_has_nothing_to_do():

@@ -981,16 +981,22 @@ def test_cli_table_on_this_machine(tmp_path: Path) -> None:
 
 
 def test_patch_applied_is_ok_and_missing_patch_fails(tmp_path: Path) -> None:
+    def patch_findings(findings: Sequence[Finding]) -> list[Finding]:
+        hits = [f for f in findings if f.check == "patch.mbridge"]
+        assert len(hits) == len(STACK.packages["mbridge"].patches), "one finding per mbridge patch"
+        return hits
+
     patched = install_patched_packages(make_tree(tmp_path / "patched", dev_versions()), "dev")
-    ok = only(doctor.check_patches(make_probe([patched]), STACK, "dev"), "patch.mbridge")
-    assert ok.status == OK and str(patched) in ok.detail
+    for ok, rel in zip(patch_findings(doctor.check_patches(make_probe([patched]), STACK, "dev")),
+                       STACK.packages["mbridge"].patches, strict=True):  # fmt: skip
+        assert ok.status == OK and str(patched) in ok.detail and Path(rel).name in ok.detail
 
     pristine = make_tree(tmp_path / "pristine", dev_versions())
     for rel in STACK.packages["mbridge"].patches:
         write_patch_side(pristine, REPO_ROOT / rel, "old")
-    failed = only(doctor.check_patches(make_probe([pristine]), STACK, "dev"), "patch.mbridge")
-    assert failed.status == FAIL
-    assert "is not applied to mbridge" in failed.detail and "mbridge==0.15.1" in failed.fix
+    for failed in patch_findings(doctor.check_patches(make_probe([pristine]), STACK, "dev")):
+        assert failed.status == FAIL
+        assert "is not applied to mbridge" in failed.detail and "mbridge==0.15.1" in failed.fix
 
-    absent = only(doctor.check_patches(make_probe([make_tree(tmp_path / "none", {})]), STACK, "dev"), "patch.mbridge")
+    absent = patch_findings(doctor.check_patches(make_probe([make_tree(tmp_path / "none", {})]), STACK, "dev"))[0]
     assert absent.status == FAIL and "mbridge is not installed" in absent.detail

@@ -124,11 +124,11 @@ def test_plan_orders_the_ascend_adaptation_and_keeps_torch_first():
 def test_plan_refuses_a_patch_file_that_does_not_exist(tmp_path):
     path = _mutate(
         tmp_path,
-        'patches = ["patches/mbridge/0001-load-fp8-weights-on-the-current-accelerator.patch"]',
-        'patches = ["patches/mbridge/0002-missing.patch"]',
+        '"patches/mbridge/0002-build-models-with-megatron-core-0.18-model-types.patch"',
+        '"patches/mbridge/0009-missing.patch"',
     )
     with pytest.raises(
-        StackError, match=r"\[packages\.mbridge\] key 'patches' names 'patches/mbridge/0002-missing\.patch'"
+        StackError, match=r"\[packages\.mbridge\] key 'patches' names 'patches/mbridge/0009-missing\.patch'"
     ):
         install_plan(load_stack(path), "dev")
 

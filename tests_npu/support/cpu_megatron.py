@@ -29,6 +29,11 @@ class _CudaToCpu(TorchFunctionMode):
         return func(*args, **kwargs)
 
 
+def _host_memory() -> tuple[int, int]:
+    page = os.sysconf("SC_PAGE_SIZE")
+    return os.sysconf("SC_AVPHYS_PAGES") * page, os.sysconf("SC_PHYS_PAGES") * page
+
+
 _saved: list[tuple[object, str, object]] = []
 _mode: _CudaToCpu | None = None
 
@@ -52,6 +57,12 @@ def activate() -> None:
     _replace(torch.cuda, "manual_seed", lambda seed: torch.manual_seed(seed))
     _replace(megatron_random, "_set_cuda_rng_state", lambda new_state, *a, **k: torch.set_rng_state(new_state))
     _replace(megatron_random, "_get_cuda_rng_state", lambda *args, **kwargs: torch.get_rng_state())
+    # verl logs device memory around offload; on the CPU "device" memory is host memory.
+    _replace(torch.cuda, "mem_get_info", lambda *args, **kwargs: _host_memory())
+    _replace(torch.cuda, "memory_allocated", lambda *args, **kwargs: 0)
+    _replace(torch.cuda, "memory_reserved", lambda *args, **kwargs: 0)
+    _replace(torch.cuda, "max_memory_allocated", lambda *args, **kwargs: 0)
+    _replace(torch.cuda, "empty_cache", lambda: None)
     _mode = _CudaToCpu()
     _mode.__enter__()
 

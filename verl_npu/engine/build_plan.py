@@ -92,6 +92,13 @@ def build_plan(engine_config: Any, optimizer_config: Any, hf_config: Any, platfo
     """Validate and translate verl's McoreEngineConfig / McoreOptimizerConfig for our engine."""
     if platform not in ("ascend", "cuda", "cpu"):
         raise BuildPlanError(f"platform {platform!r}: must be ascend, cuda or cpu")
+    if not _get(engine_config, "vanilla_mbridge", False) and importlib.util.find_spec("megatron.bridge") is None:
+        _fail(
+            "megatron.vanilla_mbridge=False",
+            "verl 0.9.1 then builds models with Megatron-Bridge (megatron.bridge), which the verl-npu stack does "
+            "not ship (it pins mbridge 0.15.1, patched for megatron-core 0.18)",
+            "set actor_rollout_ref.actor.megatron.vanilla_mbridge=True (and ref/critic alike)",
+        )
     otc = dict(_get(engine_config, OTC) or {})
     user_ddp = dict(_get(engine_config, "override_ddp_config") or {})
     features: list[str] = []

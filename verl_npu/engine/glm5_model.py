@@ -1,17 +1,17 @@
 """Build a GLM-5-shaped megatron-core model (MLA + DSA + MoE) from a transformers GlmMoeDsaConfig.
 
-Uses only megatron-core's local modules, so it builds on Ascend, CUDA without TransformerEngine
-and CPU: DSA attention comes from :func:`dsa_attention_spec` (megatron's DSA modules with separate
-q/kv norms where the backend has no fused layernorm-linear), and ``use_fused_rmsnorm`` swaps every
-RMSNorm for verl_npu's. Weights are not loaded (random init): this is the engine's test model.
+Uses only megatron-core's local modules (verl_npu.engine.layer_spec), so it builds on Ascend, CUDA
+without TransformerEngine and CPU, with DSA attention and, with ``fused_rmsnorm``, verl_npu's
+RMSNorm. Weights are not loaded (random init): this is the engine's test model.
 """
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Any
 
 import torch
+
+from verl_npu.engine.layer_spec import local_decoder_block_spec
 
 
 def transformer_config_from_hf(hf_config: Any, **overrides: Any):
@@ -58,67 +58,14 @@ def transformer_config_from_hf(hf_config: Any, **overrides: Any):
     return MLATransformerConfig(**fields)
 
 
-def dsa_attention_spec(config, backend):
-    """megatron-core's DSA attention spec; without a fused layernorm-linear, q/kv norms stand alone."""
-    from megatron.core.models.gpt.experimental_attention_variant_module_specs import get_dsa_module_spec_for_backend
-
-    fused = backend.column_parallel_layer_norm_linear() is not None
-    if fused or not config.qk_layernorm:
-        return get_dsa_module_spec_for_backend(config, backend=backend)
-    # Same math as the fused path: norm(x) then the up projection, as two modules.
-    spec = get_dsa_module_spec_for_backend(dataclasses.replace(config, qk_layernorm=False), backend=backend)
-    norm = backend.layer_norm(rms_norm=config.normalization == "RMSNorm", for_qk=True)
-    spec.submodules.q_layernorm = norm
-    spec.submodules.kv_layernorm = norm
-    return spec
-
-
-def _swap_norms(spec, replacement) -> None:
-    """Replace megatron's local RMSNorm builder everywhere in a module spec tree."""
-    from megatron.core.transformer.torch_norm import WrappedTorchNorm
-
-    submodules = getattr(spec, "submodules", None)
-    if submodules is None:
-        return
-    for field in dataclasses.fields(submodules) if dataclasses.is_dataclass(submodules) else []:
-        value = getattr(submodules, field.name)
-        if field.name == "k_norm":  # the DSA indexer's key norm is a LayerNorm by design
-            continue
-        if value is WrappedTorchNorm:
-            setattr(submodules, field.name, replacement)
-        elif hasattr(value, "submodules"):
-            _swap_norms(value, replacement)
-
-
 def build_glm5_model(hf_config: Any, *, fused_rmsnorm: bool, vocab_size: int | None = None, **overrides: Any):
     """A megatron GPTModel with GLM-5's layer structure, on the local spec."""
-    from megatron.core.models.backends import LocalSpecProvider
     from megatron.core.models.gpt import GPTModel
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
-    from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
-
-    from verl_npu.ops.rmsnorm import RMSNorm
 
     config = transformer_config_from_hf(hf_config, **overrides)
-    backend = LocalSpecProvider()
-    layer_specs = []
-    for is_moe in config.moe_layer_freq:
-        spec = get_gpt_layer_local_spec(
-            num_experts=config.num_moe_experts if is_moe else None,
-            moe_grouped_gemm=False,
-            qk_layernorm=True,
-            multi_latent_attention=True,
-            normalization="RMSNorm",
-        )
-        spec.submodules.self_attention = dsa_attention_spec(config, backend)
-        if fused_rmsnorm:
-            _swap_norms(spec, RMSNorm)
-        layer_specs.append(spec)
-    final_norm = RMSNorm if fused_rmsnorm else backend.layer_norm(rms_norm=True)
-    block = TransformerBlockSubmodules(layer_specs=layer_specs, layer_norm=final_norm)
     return GPTModel(
         config=config,
-        transformer_layer_spec=block,
+        transformer_layer_spec=local_decoder_block_spec(config, fused_rmsnorm=fused_rmsnorm),
         vocab_size=vocab_size or hf_config.vocab_size,
         max_sequence_length=getattr(hf_config, "max_position_embeddings", 4096),
         position_embedding_type="none",

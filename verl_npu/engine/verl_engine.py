@@ -4,27 +4,67 @@ Registered in verl's EngineRegistry as device ``npu``, vendor ``huawei`` for ``l
 ``value_model``; verl looks up ``(device, vendor)`` before ``device``, so this engine takes
 precedence over verl's own MindSpeed engine on Ascend (``VERL_ENGINE_DEVICE`` /
 ``VERL_ENGINE_VENDOR`` select it elsewhere, e.g. in tests). The work lives in platform-neutral
-pieces: the build plan (verl_npu.engine.build_plan) and the offload manager (verl_npu.engine.offload).
+pieces: the build plan (verl_npu.engine.build_plan), the offload manager (verl_npu.engine.offload)
+and, off Ascend, the local-spec layers and mbridge adapter (layer_spec, mbridge_local).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 
+import torch
 from verl.utils.device import get_device_name
 from verl.workers.engine.base import EngineRegistry
 from verl.workers.engine.megatron import MegatronEngineWithLMHead, MegatronEngineWithValueHead
 
 from verl_npu import platform as _platform
 from verl_npu.engine.build_plan import build_plan
-from verl_npu.engine.offload import OffloadManager
+from verl_npu.engine.layer_spec import needs_local_spec
+from verl_npu.engine.mbridge_local import build_on_local_spec, install_mask_adapter
+from verl_npu.engine.offload import OffloadManager, _optimizers
 
 logger = logging.getLogger(__name__)
 DEVICE, VENDOR = "npu", "huawei"
 
 
+def resync_torch_adam_steps(optimizer) -> int:
+    """After a distributed-optimizer load, give each torch Adam parameter its own, loaded ``step``.
+
+    megatron-core 0.18's DistributedOptimizer restores the iteration count into
+    ``param_groups[i]["step"]`` (where TE's FusedAdam keeps it); for torch's Adam it either skips the
+    per-parameter "step" (distrib_optimizer.py, load_parameter_state_from_fs_model_space) or assigns
+    one tensor to every parameter (load_state_dict without Apex/TE). torch's Adam/AdamW increment
+    ``state[p]["step"]`` in place, so a stale count or a shared tensor (incremented once per
+    parameter) breaks bias correction and a resumed run drifts from its second step on. Returns how
+    many parameters were corrected. Remove when megatron-core restores torch Adam's step per parameter.
+    """
+    fixed = 0
+    for inner in _optimizers(optimizer):
+        seen: set[int] = set()
+        for group in inner.param_groups:
+            step = group.get("step")
+            if step is None:
+                continue
+            for param in group["params"]:
+                state = inner.state.get(param, {})
+                current = state.get("step")
+                if not isinstance(current, torch.Tensor):
+                    continue
+                if id(current) in seen or current.item() != float(step):
+                    state["step"] = torch.tensor(float(step), dtype=current.dtype, device=current.device)
+                    fixed += 1
+                seen.add(id(state["step"]))
+    return fixed
+
+
 class NPUMegatronEngineMixin:
-    """Build plan before the model is built; the offload manager behind ``to()``."""
+    """Build plan before the model is built; the offload manager behind ``to()`` and checkpoints.
+
+    verl's own checkpoint and weight-export paths reload offloaded state with its helpers, which
+    read host copies (``cpu_data``) that only its own offload creates; with our manager they would
+    fail. Those entry points go through the manager instead.
+    """
 
     _offload_manager: OffloadManager | None = None
 
@@ -32,12 +72,13 @@ class NPUMegatronEngineMixin:
         self.build_plan = build_plan(
             self.engine_config, self.optimizer_config, self.model_config.hf_config, _platform.detect()
         )
-        # MindSpeed-only flags are not TransformerConfig fields: keep megatron's config clean.
-        self.engine_config.override_transformer_config = dict(self.build_plan.transformer_overrides)
-        self.engine_config.override_ddp_config = {
-            **self.build_plan.ddp_overrides,
-            **dict(self.engine_config.override_ddp_config or {}),
-        }
+        # MindSpeed-only flags are not TransformerConfig fields: keep megatron's config clean. verl's
+        # configs are frozen and may be shared with other engines: this engine gets its own copy.
+        self.engine_config = dataclasses.replace(
+            self.engine_config,
+            override_transformer_config=dict(self.build_plan.transformer_overrides),
+            override_ddp_config={**self.build_plan.ddp_overrides, **dict(self.engine_config.override_ddp_config or {})},
+        )
         if self.build_plan.mindspeed_repatch is not None:
             from mindspeed.megatron_adaptor import repatch
 
@@ -45,9 +86,23 @@ class NPUMegatronEngineMixin:
         logger.info("verl-npu engine build plan: %s", self.build_plan)
         super()._init_device_mesh()
 
+    def _build_tf_config(self):
+        super()._build_tf_config()
+        if self.vanilla_bridge and needs_local_spec(self.build_plan.platform, self.build_plan.features):
+            build_on_local_spec(self.bridge, fused_rmsnorm="fused_rmsnorm" in self.build_plan.features)
+            logger.info("verl-npu engine: %s builds on megatron-core's local spec", type(self.bridge).__name__)
+
+    def _build_megatron_module(self):
+        module = super()._build_megatron_module()
+        if getattr(self.bridge, "_verl_npu_local_spec", None) is not None:
+            install_mask_adapter(module)
+        return module
+
     def _offloader(self) -> OffloadManager:
         if self._offload_manager is None:
-            self._offload_manager = OffloadManager(self.module, self.optimizer, device=get_device_name())
+            # The device the state lives on (verl's device name says which accelerator type, not which one).
+            device = next(p for chunk in self.module for p in chunk.parameters()).device
+            self._offload_manager = OffloadManager(self.module, self.optimizer, device=device)
         return self._offload_manager
 
     def to(self, device: str, model: bool = True, optimizer: bool = True, grad: bool = True):
@@ -60,6 +115,31 @@ class NPUMegatronEngineMixin:
             manager.onload(kinds)
         else:
             raise ValueError(f"verl-npu engine: cannot move state to {device!r}; use 'cpu' or {get_device_name()!r}")
+
+    def save_checkpoint(self, local_path, hdfs_path=None, global_step=0, max_ckpt_to_keep=None, **kwargs):
+        with self._offloader().resident(["params", "optimizer"]):
+            self.checkpoint_mananager.save_checkpoint(
+                local_path=local_path, hdfs_path=hdfs_path, global_step=global_step, max_ckpt_to_keep=max_ckpt_to_keep
+            )
+            torch.distributed.barrier()
+
+    def load_checkpoint(self, local_path, hdfs_path=None, del_local_after_load=True, **kwargs):
+        # Loading writes into the device storages; leaving ``resident`` copies the loaded values
+        # back to the host arenas for whatever was offloaded before.
+        with self._offloader().resident(["params", "optimizer"]):
+            self.checkpoint_mananager.load_checkpoint(
+                local_path=local_path, hdfs_path=hdfs_path, del_local_after_load=del_local_after_load
+            )
+            if self.optimizer is not None and resync_torch_adam_steps(self.optimizer):
+                logger.info("verl-npu engine: torch Adam step counts restored from the checkpoint")
+
+    def get_per_tensor_param(self, *args, **kwargs):
+        self._offloader().onload(["params"])  # verl's exporter reads the parameters on the device
+        return super().get_per_tensor_param(*args, **kwargs)
+
+    def get_per_tensor_param_shard(self, **kwargs):
+        self._offloader().onload(["params"])
+        return super().get_per_tensor_param_shard(**kwargs)
 
 
 @EngineRegistry.register(model_type="language_model", backend="megatron", device=DEVICE, vendor=VENDOR)

@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from megatron_gpt import build_gpt, train_step
 
 LAYOUTS = {"dp2": dict(tp=1, ep=1, sp=False), "tp2_sp": dict(tp=2, ep=1, sp=True), "ep2": dict(tp=1, ep=2, sp=False)}
 
@@ -67,13 +68,8 @@ def step(ddp, optimizer, index: int) -> float:
     gen = torch.Generator().manual_seed(1000 * index + dp_rank)
     tokens = torch.randint(0, 256, (2, 64), generator=gen).cuda()
     positions = torch.arange(64, device="cuda").unsqueeze(0).expand(2, -1)
-    ddp.zero_grad_buffer()
-    optimizer.zero_grad()
-    loss = ddp(tokens, positions, None, labels=tokens).float().mean()
-    loss.backward()
-    ddp.finish_grad_sync()
-    optimizer.step()
-    reduced = loss.detach().clone()
+    loss = train_step(ddp, optimizer, tokens, positions)
+    reduced = loss.clone()
     dist.all_reduce(reduced)
     return reduced.item() / dist.get_world_size()
 
@@ -137,33 +133,14 @@ def run_layout(name: str, layout: dict) -> dict:
 def bandwidth(hidden: int, layers: int, repeats: int) -> dict:
     """Both ranks offload/onload a large model's full state at once; per-rank GB/s."""
     from megatron.core import parallel_state
-    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
-    from megatron.core.models.gpt import GPTModel
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
-    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
-    from megatron.core.transformer.module import Float16Module
-    from megatron.core.transformer.transformer_config import TransformerConfig
 
     from verl_npu.engine.offload import OffloadManager
 
     parallel_state.destroy_model_parallel()
     parallel_state.initialize_model_parallel()  # DP=2: each rank holds its optimizer shard
-    config = TransformerConfig(
-        num_layers=layers, hidden_size=hidden, num_attention_heads=16, params_dtype=torch.bfloat16, bf16=True,
-        normalization="RMSNorm", hidden_dropout=0.0, attention_dropout=0.0,
-    )  # fmt: skip
-    model = GPTModel(config, get_gpt_layer_local_spec(normalization="RMSNorm"), vocab_size=32000,
-                     max_sequence_length=512)  # fmt: skip
-    model = Float16Module(config, model.cuda())
-    ddp = DistributedDataParallel(config, DistributedDataParallelConfig(use_distributed_optimizer=True), model)
-    optimizer = get_megatron_optimizer(
-        OptimizerConfig(optimizer="adam", lr=1e-4, bf16=True, use_distributed_optimizer=True,
-                        params_dtype=torch.bfloat16), [ddp])  # fmt: skip
+    ddp, optimizer = build_gpt(hidden, layers, vocab=32000, seq=512)
     tokens = torch.randint(0, 32000, (1, 128), device="cuda")
-    positions = torch.arange(128, device="cuda").unsqueeze(0)
-    ddp(tokens, positions, None, labels=tokens).float().mean().backward()
-    ddp.finish_grad_sync()
-    optimizer.step()
+    train_step(ddp, optimizer, tokens, torch.arange(128, device="cuda").unsqueeze(0))
     manager = OffloadManager([ddp], optimizer, device=torch.device("cuda", torch.cuda.current_device()))
     kinds = ["params", "optimizer"]
     nbytes = sum(s.nbytes for k in kinds for s in manager._layout(k))

@@ -28,6 +28,8 @@ import time
 from pathlib import Path
 
 import torch
+from megatron_gpt import build_gpt
+from megatron_gpt import train_step as run_train_step
 from rich.console import Console
 from rich.table import Table
 
@@ -41,13 +43,7 @@ def rss_bytes() -> int:
 
 def build(hidden: int, layers: int, vocab: int, seq: int):
     import torch.distributed as dist
-    from megatron.core import parallel_state, tensor_parallel
-    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
-    from megatron.core.models.gpt import GPTModel
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
-    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
-    from megatron.core.transformer.module import Float16Module
-    from megatron.core.transformer.transformer_config import TransformerConfig
+    from megatron.core import parallel_state
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -56,40 +52,13 @@ def build(hidden: int, layers: int, vocab: int, seq: int):
     torch.cuda.set_device(0)
     dist.init_process_group("nccl", rank=0, world_size=1)
     parallel_state.initialize_model_parallel()
-    tensor_parallel.model_parallel_cuda_manual_seed(1234)
-    config = TransformerConfig(
-        num_layers=layers, hidden_size=hidden, num_attention_heads=hidden // 128, ffn_hidden_size=4 * hidden,
-        params_dtype=torch.bfloat16, bf16=True, normalization="RMSNorm", hidden_dropout=0.0, attention_dropout=0.0,
-    )  # fmt: skip
-    model = GPTModel(
-        config=config,
-        transformer_layer_spec=get_gpt_layer_local_spec(normalization="RMSNorm"),
-        vocab_size=vocab,
-        max_sequence_length=seq,
-    ).cuda()
-    model = Float16Module(config, model)  # bf16 compute with fp32 inputs/outputs, as megatron's trainers wrap it
-    ddp = DistributedDataParallel(
-        config, DistributedDataParallelConfig(use_distributed_optimizer=True, grad_reduce_in_fp32=True), model
-    )
-    optimizer = get_megatron_optimizer(
-        OptimizerConfig(
-            optimizer="adam", lr=1e-4, bf16=True, use_distributed_optimizer=True, params_dtype=torch.bfloat16
-        ),
-        [ddp],
-    )
-    return ddp, optimizer
+    return build_gpt(hidden, layers, vocab, seq)
 
 
 def train_step(ddp, optimizer, vocab: int, seq: int) -> float:
     tokens = torch.randint(0, vocab, (1, seq), device="cuda")
     positions = torch.arange(seq, device="cuda").unsqueeze(0)
-    ddp.zero_grad_buffer()
-    optimizer.zero_grad()
-    loss = ddp(tokens, positions, None, labels=tokens).float().mean()
-    loss.backward()
-    ddp.finish_grad_sync()
-    optimizer.step()
-    return loss.item()
+    return run_train_step(ddp, optimizer, tokens, positions).item()
 
 
 def timed(fn) -> float:

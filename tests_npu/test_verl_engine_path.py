@@ -52,7 +52,10 @@ def select_npu_engine():
     layer.load()
     yield
     for key, value in saved.items():
-        os.environ.pop(key, None) if value is None else os.environ.__setitem__(key, value)
+        if value is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = value
 
 
 def new_engine(model_dir, *, offload: bool):

@@ -46,10 +46,12 @@ def build_gpt(hidden: int, layers: int, vocab: int, seq: int):
 
 def train_step(ddp, optimizer, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
     """Forward, backward, gradient sync and optimizer step; returns the (detached) loss."""
+    from megatron.core.distributed import finalize_model_grads
+
     ddp.zero_grad_buffer()
     optimizer.zero_grad()
     loss = ddp(tokens, positions, None, labels=tokens).float().mean()
     loss.backward()
-    ddp.finish_grad_sync()
+    finalize_model_grads([ddp])  # data-parallel sync, plus the tensor-parallel all-reduce of SP norm grads
     optimizer.step()
     return loss.detach()

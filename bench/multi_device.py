@@ -1,11 +1,14 @@
-"""Engine pieces on several GPUs (issue 8): loss equality with offload cycles, checkpoint, per-rank GB/s.
+"""Engine pieces on several GPUs (issue 8): loss equality with offload cycles, checkpoint, THD, per-rank GB/s.
 
 Run with ``torchrun --nproc-per-node=2 bench/multi_device.py --out results.json``. For each layout
 (DP=2 with the distributed optimizer; TP=2 with sequence parallel; EP=2 for the MoE layers) it
 trains the tiny GLM-5-shaped model (MLA + DSA + MoE, fused RMSNorm) 5 steps without offload and
-5 steps with a full offload/onload cycle between steps, and compares the losses exactly; then it
-saves while offloaded (through ``resident``), restores and resumes; then both ranks move a large
-model's state at once and report per-rank GB/s. Rank 0 prints a table and writes JSON.
+5 steps with a full offload/onload cycle between steps, and compares the losses exactly; then both
+ranks save a megatron dist-checkpoint while offloaded, a freshly built model and optimizer load it,
+and the resumed losses are compared with the original run's. Under TP=2+SP, verl's packing of real
+variable-length batches (``preprocess_packed_seqs``) is run through a dense model in THD and
+compared with the padded run (DSA itself refuses THD in megatron-core 0.18). Then both ranks move a
+large model's state at once and report per-rank GB/s. Rank 0 prints a table and writes JSON.
 """
 
 from __future__ import annotations
@@ -13,8 +16,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import sys
+import tempfile
 import time
+import traceback
 from pathlib import Path
 
 import torch
@@ -74,10 +80,68 @@ def step(ddp, optimizer, index: int) -> float:
     return reduced.item() / dist.get_world_size()
 
 
+CHECKPOINT_METADATA = {
+    "distrib_optim_sharding_type": "dp_reshardable",  # what verl 0.9.1 asks for by default
+    "singleton_local_shards": False,
+    "chained_optim_avoid_prefix": True,
+}
+
+
+def sharded_state(ddp, optimizer, *, loading: bool) -> dict:
+    from megatron.core import parallel_state
+
+    model_metadata = dict(CHECKPOINT_METADATA, dp_cp_group=parallel_state.get_data_parallel_group(True))
+    model = ddp.module.sharded_state_dict(metadata=model_metadata)
+    return {"model": model, "optimizer": optimizer.sharded_state_dict(model, loading, metadata=CHECKPOINT_METADATA)}
+
+
+def shared_directory() -> str:
+    """One directory for all ranks (rank 0 creates it): dist-checkpointing writes one file per rank."""
+    holder = [tempfile.mkdtemp(prefix="verl_npu_ckpt_") if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(holder, src=0)
+    return holder[0]
+
+
+def checkpoint_round_trip(layout: dict, ddp, optimizer, manager) -> dict:
+    """Save while offloaded; a fresh model+optimizer (offloaded too) loads it; resumed losses must match."""
+    from megatron.core import dist_checkpointing
+
+    from verl_npu.engine.offload import OffloadManager
+    from verl_npu.engine.optimizer_state import ensure_torch_adam_state, resync_torch_adam_steps
+
+    directory = shared_directory()
+    manager.offload()
+    with manager.resident(["params", "optimizer"]):
+        dist_checkpointing.save(sharded_state(ddp, optimizer, loading=False), directory)
+    dist.barrier()
+    files = sorted(os.listdir(directory))
+    manager.onload()
+    continued = [step(ddp, optimizer, s) for s in range(5, 8)]
+    manager.close()
+
+    fresh_ddp, fresh_optimizer = build(7, layout)  # another seed: every value must come from the file
+    fresh = OffloadManager([fresh_ddp], fresh_optimizer, device=torch.device("cuda", torch.cuda.current_device()))
+    fresh.offload()
+    with fresh.resident(["params", "optimizer"]):
+        ensure_torch_adam_state(fresh_optimizer)
+        loaded = dist_checkpointing.load(sharded_state(fresh_ddp, fresh_optimizer, loading=True), directory)
+        fresh_ddp.module.load_state_dict(loaded["model"])
+        fresh_optimizer.load_state_dict(loaded["optimizer"])
+        resync_torch_adam_steps(fresh_optimizer)
+    fresh.onload()
+    resumed = [step(fresh_ddp, fresh_optimizer, s) for s in range(5, 8)]
+    fresh.close()
+    dist.barrier()
+    if dist.get_rank() == 0:
+        shutil.rmtree(directory)
+    return {"resume_equal": resumed == continued, "continued_losses": continued, "resumed_losses": resumed,
+            "checkpoint_files": files}  # fmt: skip
+
+
 def run_layout(name: str, layout: dict) -> dict:
     from megatron.core import parallel_state
 
-    from verl_npu.engine.offload import OffloadManager, _optimizers
+    from verl_npu.engine.offload import OffloadManager
 
     parallel_state.destroy_model_parallel()
     parallel_state.initialize_model_parallel(
@@ -97,25 +161,7 @@ def run_layout(name: str, layout: dict) -> dict:
         manager.offload()
         freed.append(before - torch.cuda.memory_allocated())
         manager.onload()
-    # checkpoint while offloaded: snapshot through resident(), train on, restore, resume
-    manager.offload()
-    with manager.resident(["params", "optimizer"]):
-        params = [p.detach().clone() for p in ddp.parameters()]
-        mains = [p for inner in _optimizers(optimizer) for g in inner.param_groups for p in g["params"]]
-        saved_main = [p.detach().clone() for p in mains]
-        states = [st for inner in _optimizers(optimizer) for st in inner.state.values()]
-        saved_states = [{k: v.detach().clone() for k, v in st.items() if torch.is_tensor(v)} for st in states]
-    manager.onload()
-    resumed_a = [step(ddp, optimizer, s) for s in range(5, 8)]
-    for p, saved in zip(ddp.parameters(), params, strict=True):
-        p.data.copy_(saved)
-    for p, saved in zip(mains, saved_main, strict=True):
-        p.data.copy_(saved)
-    for st, saved in zip(states, saved_states, strict=True):
-        for k, v in saved.items():
-            st[k].copy_(v)
-    resumed_b = [step(ddp, optimizer, s) for s in range(5, 8)]
-    manager.close()
+    checkpoint = checkpoint_round_trip(layout, ddp, optimizer, manager)
     shards = [torch.zeros(1, dtype=torch.int64, device="cuda") for _ in range(dist.get_world_size())]
     dist.all_gather(shards, torch.tensor([shard_bytes], device="cuda"))
     return {
@@ -124,9 +170,132 @@ def run_layout(name: str, layout: dict) -> dict:
         "losses_equal": losses == reference,
         "reference_losses": reference,
         "offload_losses": losses,
-        "resume_equal": resumed_a == resumed_b,
+        **checkpoint,
         "optimizer_shard_bytes_per_rank": [int(t.item()) for t in shards],
         "min_bytes_freed_per_offload_rank0": min(freed),
+    }
+
+
+def packed_batches(tp: int) -> dict:
+    """TP=2+SP on verl's THD path: real packed batches follow the alignment rule and match the padded run.
+
+    verl pads every sequence to a multiple of tp (tp*cp*2 with CP) before packing, so sequence
+    parallelism can split the packed token dimension evenly; without that padding the split fails.
+    """
+    from megatron.core import parallel_state, tensor_parallel
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+    from megatron.core.packed_seq_params import PackedSeqParams
+    from megatron.core.transformer.transformer_config import TransformerConfig
+    from verl.models.mcore.util import postprocess_packed_seqs, preprocess_packed_seqs
+
+    from verl_npu.engine.layer_spec import local_decoder_block_spec
+    from verl_npu.engine.offload import OffloadManager
+
+    parallel_state.destroy_model_parallel()
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp)
+
+    def build_dense():
+        torch.manual_seed(5)
+        tensor_parallel.model_parallel_cuda_manual_seed(5)
+        config = TransformerConfig(
+            num_layers=2,
+            hidden_size=256,
+            num_attention_heads=8,
+            num_query_groups=2,
+            ffn_hidden_size=512,
+            normalization="RMSNorm",
+            gated_linear_unit=True,
+            add_bias_linear=False,
+            hidden_dropout=0.0,
+            attention_dropout=0.0,
+            masked_softmax_fusion=False,
+            tensor_model_parallel_size=tp,
+            sequence_parallel=True,
+        )  # fmt: skip  (fp32: the THD/BSHD comparison then shows only summation-order differences)
+        model = GPTModel(
+            config=config, transformer_layer_spec=local_decoder_block_spec(config, fused_rmsnorm=True),
+            vocab_size=512, max_sequence_length=128, position_embedding_type="rope",
+        ).cuda()  # fmt: skip
+        ddp = DistributedDataParallel(config, DistributedDataParallelConfig(use_distributed_optimizer=True), model)
+        adam = OptimizerConfig(optimizer="adam", lr=1e-3, use_distributed_optimizer=True)
+        optimizer = get_megatron_optimizer(adam, [ddp])
+        return ddp, optimizer
+
+    def real_batch(index: int):
+        """Right-padded [4, 96] batch of variable lengths, as verl's rollout hands it over."""
+        gen = torch.Generator().manual_seed(index)
+        lengths = torch.randint(3, 97, (4,), generator=gen)
+        ids = torch.randint(0, 512, (4, 96), generator=gen).cuda()
+        mask = (torch.arange(96).unsqueeze(0) < lengths.unsqueeze(1)).cuda()
+        return ids, mask
+
+    def thd_loss(ddp, ids, mask):
+        packed_ids, params = preprocess_packed_seqs(ids, mask)
+        per_token = ddp(packed_ids, None, None, labels=packed_ids, packed_seq_params=params)  # [1, T]
+        valid = torch.zeros_like(per_token, dtype=torch.bool)
+        for i, start in enumerate(params.cu_seqlens_q_padded[:-1].tolist()):
+            valid[0, start : start + int(mask[i].sum())] = True
+        return (per_token * valid).sum() / valid.sum()
+
+    def thd_step(ddp, optimizer, index: int) -> float:
+        ddp.zero_grad_buffer()
+        optimizer.zero_grad()
+        loss = thd_loss(ddp, *real_batch(index))
+        loss.backward()
+        finalize_model_grads([ddp])
+        optimizer.step()
+        return loss.item()
+
+    ddp, optimizer = build_dense()
+    ids, mask = real_batch(0)
+    packed_ids, params = preprocess_packed_seqs(ids, mask)
+    padded = (params.cu_seqlens_q_padded[1:] - params.cu_seqlens_q_padded[:-1]).tolist()
+    real_lengths = mask.sum(-1).tolist()
+    ddp.eval()
+    with torch.no_grad():
+        thd_logits = ddp(packed_ids, None, None, packed_seq_params=params)
+        thd_logits = postprocess_packed_seqs(thd_logits, params, mask, 4, 96)
+        bshd_logits = ddp(ids, None, None)  # right padding: causal attention alone leaves valid tokens exact
+        max_diff = (thd_logits - bshd_logits)[mask].abs().max()
+        dist.all_reduce(max_diff, op=dist.ReduceOp.MAX)
+        # the same batch packed without the alignment padding: SP cannot split the token dimension
+        lengths = mask.sum(-1).to(torch.int32)
+        if int(lengths.sum()) % tp == 0:  # make the total indivisible: drop the last sequence's last token
+            mask[-1, lengths[-1] - 1] = False
+            lengths[-1] -= 1
+        cu = torch.cat([lengths.new_zeros(1), lengths.cumsum(0)]).to(torch.int32)
+        unaligned = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu,
+                                    max_seqlen_q=int(lengths.max()), max_seqlen_kv=int(lengths.max()))  # fmt: skip
+        try:
+            ddp(ids[mask].unsqueeze(0), None, None, packed_seq_params=unaligned)
+            unaligned_error = None
+        except Exception as exc:
+            unaligned_error = f"{type(exc).__name__}: {exc}"[:300]
+    ddp.train()
+    reference = [thd_step(ddp, optimizer, s) for s in range(1, 5)]
+    ddp, optimizer = build_dense()
+    manager = OffloadManager([ddp], optimizer, device=torch.device("cuda", torch.cuda.current_device()))
+    losses = []
+    for s in range(1, 5):
+        losses.append(thd_step(ddp, optimizer, s))
+        manager.offload()
+        manager.onload()
+    manager.close()
+    return {
+        "tp": tp,
+        "sequence_parallel": True,
+        "real_lengths": real_lengths,
+        "padded_lengths": padded,
+        "packed_tokens": int(packed_ids.shape[1]),
+        "every_sequence_padded_to_tp": all(n % tp == 0 for n in padded),
+        "thd_vs_padded_max_abs_logit_diff": max_diff.item(),
+        "unaligned_total_tokens": int(unaligned.cu_seqlens_q[-1]),
+        "unaligned_packing_error": unaligned_error,
+        "thd_losses_equal_with_offload": losses == reference,
+        "thd_reference_losses": reference,
+        "thd_offload_losses": losses,
     }
 
 
@@ -183,6 +352,8 @@ def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", default="multi_device.json")
     parser.add_argument("--layouts", default="dp2,tp2_sp,ep2")
+    parser.add_argument("--skip-thd", action="store_true")
+    parser.add_argument("--skip-bandwidth", action="store_true")
     parser.add_argument("--bench-hidden", type=int, default=2048)
     parser.add_argument("--bench-layers", type=int, default=12)
     args = parser.parse_args()
@@ -199,10 +370,19 @@ def main() -> int:
             results["layouts"].append(run_layout(name, LAYOUTS[name]))
         except Exception as exc:  # record and go on: one layout's failure must not hide the others
             results["errors"][name] = f"{type(exc).__name__}: {exc}"[:2000]
-    try:
-        results["bandwidth"] = bandwidth(args.bench_hidden, args.bench_layers, repeats=5)
-    except Exception as exc:
-        results["errors"]["bandwidth"] = f"{type(exc).__name__}: {exc}"[:2000]
+            traceback.print_exc()
+    if not args.skip_thd:
+        try:
+            results["thd"] = packed_batches(tp=2)
+        except Exception as exc:
+            results["errors"]["thd"] = f"{type(exc).__name__}: {exc}"[:2000]
+            traceback.print_exc()
+    if not args.skip_bandwidth:
+        try:
+            results["bandwidth"] = bandwidth(args.bench_hidden, args.bench_layers, repeats=5)
+        except Exception as exc:
+            results["errors"]["bandwidth"] = f"{type(exc).__name__}: {exc}"[:2000]
+            traceback.print_exc()
     if dist.get_rank() == 0:
         from megatron.core import __version__ as mcore
 
@@ -210,6 +390,12 @@ def main() -> int:
         for row in results["layouts"]:
             print(f"{row['layout']:8s} losses_equal={row['losses_equal']} resume_equal={row['resume_equal']} "
                   f"shards={row['optimizer_shard_bytes_per_rank']}")  # fmt: skip
+        if "thd" in results:
+            thd = results["thd"]
+            print(f"thd tp=2 sp: padded {thd['padded_lengths']} (real {thd['real_lengths']}), "
+                  f"max |logit diff| {thd['thd_vs_padded_max_abs_logit_diff']:.2e}, "
+                  f"offload equal {thd['thd_losses_equal_with_offload']}, "
+                  f"unaligned -> {thd['unaligned_packing_error']}")  # fmt: skip
         for row in results.get("bandwidth", {}).get("per_rank", []):
             print(f"rank {row['rank']}: offload {row['offload_gbps']} GB/s, onload {row['onload_gbps']} GB/s, "
                   f"{row['bytes_moved'] / 1e9:.2f} GB")  # fmt: skip

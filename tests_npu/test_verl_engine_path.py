@@ -58,7 +58,7 @@ def select_npu_engine():
             os.environ[key] = value
 
 
-def new_engine(model_dir, *, offload: bool):
+def new_engine(model_dir, *, offload: bool, remove_padding: bool = False):
     from megatron.core import tensor_parallel
     from verl.trainer.config import CheckpointConfig
     from verl.workers.config import HFModelConfig, McoreEngineConfig, McoreOptimizerConfig
@@ -69,7 +69,7 @@ def new_engine(model_dir, *, offload: bool):
         backend="megatron",
         model_config=HFModelConfig(path=str(model_dir)),
         engine_config=McoreEngineConfig(
-            forward_only=False, vanilla_mbridge=True, use_remove_padding=False,
+            forward_only=False, vanilla_mbridge=True, use_remove_padding=remove_padding,
             param_offload=offload, optimizer_offload=offload,
             override_transformer_config={
                 "use_fused_rmsnorm": True, "use_cpu_initialization": True, "hidden_dropout": 0.0,
@@ -152,6 +152,21 @@ def test_verl_builds_our_engine_on_the_local_spec_and_matches_the_hf_model(model
     assert (ours[valid] - theirs[valid]).abs().max() < 0.1, "engine log-probs differ from the HF model's"
 
 
+def test_verls_packed_thd_path_gives_the_padded_paths_log_probs(model_dir):
+    """use_remove_padding=True (verl's default) packs each micro-batch into THD for our attention."""
+    from verl.utils import tensordict_utils as tu
+    from verl.workers.utils.padding import no_padding_2_padding
+
+    td, (_, mask) = batch(8, calculate_entropy=False)
+    log_probs = {}
+    for remove_padding in (False, True):
+        engine = new_engine(model_dir, offload=False, remove_padding=remove_padding)
+        out = engine.infer_batch(td.clone())["model_output"]
+        log_probs[remove_padding] = no_padding_2_padding(tu.get(out, "log_probs"), td).float()
+    valid = mask[:, PROMPT:].bool()
+    assert (log_probs[True][valid] - log_probs[False][valid]).abs().max() < 0.02
+
+
 def test_training_through_verls_api_with_offload_equals_training_without(model_dir):
     reference = new_engine(model_dir, offload=False)
     expected = [train_step(reference, step) for step in range(3)]
@@ -177,3 +192,8 @@ def test_checkpoint_save_while_offloaded_or_never_offloaded_restores_and_resumes
     engine.load_checkpoint(str(tmp_path / "ckpt"))
     assert offloaded(engine)
     assert [train_step(engine, step) for step in (1, 2)] == after_save
+    # resume in a new process: a fresh engine whose optimizer has never stepped
+    fresh = new_engine(model_dir, offload=True)
+    fresh.load_checkpoint(str(tmp_path / "ckpt"))
+    assert offloaded(fresh)
+    assert [train_step(fresh, step) for step in (1, 2)] == after_save

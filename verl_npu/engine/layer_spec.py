@@ -39,21 +39,45 @@ def dsa_attention_spec(config, backend):
     return spec
 
 
+def _spec_fields(spec: Any):
+    """(submodules, field name, value) for every field of every spec in a module spec tree."""
+    submodules = getattr(spec, "submodules", None)
+    if submodules is None or not dataclasses.is_dataclass(submodules):
+        return
+    for field in dataclasses.fields(submodules):
+        value = getattr(submodules, field.name)
+        yield submodules, field.name, value
+        if hasattr(value, "submodules"):
+            yield from _spec_fields(value)
+
+
 def swap_norms(spec: Any, replacement: type) -> None:
-    """Replace megatron's local RMSNorm builder everywhere in a module spec tree."""
+    """Replace megatron's local RMSNorm builder everywhere in a module spec tree (not DSA's k_norm)."""
     from megatron.core.transformer.torch_norm import WrappedTorchNorm
 
-    submodules = getattr(spec, "submodules", None)
-    if submodules is None:
-        return
-    for field in dataclasses.fields(submodules) if dataclasses.is_dataclass(submodules) else []:
-        value = getattr(submodules, field.name)
-        if field.name == "k_norm":  # the DSA indexer's key norm is a LayerNorm by design
-            continue
-        if value is WrappedTorchNorm:
-            setattr(submodules, field.name, replacement)
-        elif hasattr(value, "submodules"):
-            swap_norms(value, replacement)
+    for submodules, name, value in list(_spec_fields(spec)):
+        # the DSA indexer's key norm is a LayerNorm by design (see local_decoder_block_spec)
+        if value is WrappedTorchNorm and name != "k_norm":
+            setattr(submodules, name, replacement)
+
+
+def local_layer_norms_and_attention(spec: Any) -> None:
+    """Local modules megatron's own would refuse: SP-capable DSA key norm, THD-capable core attention.
+
+    megatron's ``WrappedTorchNorm`` asserts sequence_parallel=False (so TP=2+SP could not build DSA),
+    and its ``DotProductAttention`` refuses packed THD batches (verl's ``use_remove_padding`` path).
+    """
+    from megatron.core.transformer.dot_product_attention import DotProductAttention
+    from megatron.core.transformer.torch_norm import WrappedTorchNorm
+
+    from verl_npu.engine.packed_attention import PackedDotProductAttention
+    from verl_npu.ops.layernorm import LayerNorm
+
+    for submodules, name, value in list(_spec_fields(spec)):
+        if name == "k_norm" and value is WrappedTorchNorm:
+            setattr(submodules, name, LayerNorm)
+        elif name == "core_attention" and value is DotProductAttention:
+            setattr(submodules, name, PackedDotProductAttention)
 
 
 def local_decoder_block_spec(config, *, fused_rmsnorm: bool, vp_stage: int | None = None):
@@ -72,6 +96,7 @@ def local_decoder_block_spec(config, *, fused_rmsnorm: bool, vp_stage: int | Non
     for layer in block.layer_specs:
         if getattr(config, "experimental_attention_variant", None) == "dsa":
             layer.submodules.self_attention = dsa_attention_spec(config, backend)
+        local_layer_norms_and_attention(layer)
         if fused_rmsnorm:
             swap_norms(layer, RMSNorm)
     if fused_rmsnorm:

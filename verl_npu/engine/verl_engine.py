@@ -22,40 +22,11 @@ from verl_npu import platform as _platform
 from verl_npu.engine.build_plan import build_plan
 from verl_npu.engine.layer_spec import needs_local_spec
 from verl_npu.engine.mbridge_local import build_on_local_spec, install_mask_adapter
-from verl_npu.engine.offload import OffloadManager, _optimizers
+from verl_npu.engine.offload import OffloadManager
+from verl_npu.engine.optimizer_state import ensure_torch_adam_state, resync_torch_adam_steps
 
 logger = logging.getLogger(__name__)
 DEVICE, VENDOR = "npu", "huawei"
-
-
-def resync_torch_adam_steps(optimizer) -> int:
-    """After a distributed-optimizer load, give each torch Adam parameter its own, loaded ``step``.
-
-    megatron-core 0.18's DistributedOptimizer restores the iteration count into
-    ``param_groups[i]["step"]`` (where TE's FusedAdam keeps it); for torch's Adam it either skips the
-    per-parameter "step" (distrib_optimizer.py, load_parameter_state_from_fs_model_space) or assigns
-    one tensor to every parameter (load_state_dict without Apex/TE). torch's Adam/AdamW increment
-    ``state[p]["step"]`` in place, so a stale count or a shared tensor (incremented once per
-    parameter) breaks bias correction and a resumed run drifts from its second step on. Returns how
-    many parameters were corrected. Remove when megatron-core restores torch Adam's step per parameter.
-    """
-    fixed = 0
-    for inner in _optimizers(optimizer):
-        seen: set[int] = set()
-        for group in inner.param_groups:
-            step = group.get("step")
-            if step is None:
-                continue
-            for param in group["params"]:
-                state = inner.state.get(param, {})
-                current = state.get("step")
-                if not isinstance(current, torch.Tensor):
-                    continue
-                if id(current) in seen or current.item() != float(step):
-                    state["step"] = torch.tensor(float(step), dtype=current.dtype, device=current.device)
-                    fixed += 1
-                seen.add(id(state["step"]))
-    return fixed
 
 
 class NPUMegatronEngineMixin:
@@ -118,6 +89,8 @@ class NPUMegatronEngineMixin:
 
     def save_checkpoint(self, local_path, hdfs_path=None, global_step=0, max_ckpt_to_keep=None, **kwargs):
         with self._offloader().resident(["params", "optimizer"]):
+            if self.optimizer is not None:
+                ensure_torch_adam_state(self.optimizer)  # a save before the first step
             self.checkpoint_mananager.save_checkpoint(
                 local_path=local_path, hdfs_path=hdfs_path, global_step=global_step, max_ckpt_to_keep=max_ckpt_to_keep
             )
@@ -127,6 +100,8 @@ class NPUMegatronEngineMixin:
         # Loading writes into the device storages; leaving ``resident`` copies the loaded values
         # back to the host arenas for whatever was offloaded before.
         with self._offloader().resident(["params", "optimizer"]):
+            if self.optimizer is not None:
+                ensure_torch_adam_state(self.optimizer)  # a fresh engine: resume in a new process
             self.checkpoint_mananager.load_checkpoint(
                 local_path=local_path, hdfs_path=hdfs_path, del_local_after_load=del_local_after_load
             )

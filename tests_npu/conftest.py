@@ -62,3 +62,18 @@ def cpu_megatron_harness():
     cpu_megatron.init_model_parallel()
     yield cpu_megatron
     cpu_megatron.deactivate()
+
+
+@pytest.fixture(scope="session", autouse=True)
+def preflight_cache(tmp_path_factory):
+    """Preflight's answer cache in a per-session directory: tests neither read nor fill ~/.cache."""
+    import os
+
+    path = tmp_path_factory.mktemp("verl-npu-cache")
+    saved = os.environ.get("VERL_NPU_CACHE_DIR")
+    os.environ["VERL_NPU_CACHE_DIR"] = str(path)
+    yield path
+    if saved is None:
+        os.environ.pop("VERL_NPU_CACHE_DIR", None)
+    else:
+        os.environ["VERL_NPU_CACHE_DIR"] = saved

@@ -26,7 +26,7 @@ def test_drift_lint_scans_the_files_people_copy_pins_from():
         "install.sh",
         "README.md",
         "pyproject.toml",
-        "examples/glm5/run_glm5_grpo_a3.sh",
+        "examples/glm5_2/run_glm5_2_grpo_a3.sh",
         ".ci/run",
     ):
         assert expected in names

@@ -46,7 +46,8 @@ def tiny_glm5(seed: int):
     hf = GlmMoeDsaConfig(
         vocab_size=256, hidden_size=256, num_hidden_layers=3, num_attention_heads=4, intermediate_size=512,
         moe_intermediate_size=128, n_routed_experts=4, n_shared_experts=1, num_experts_per_tok=2,
-        first_k_dense_replace=1, q_lora_rank=128, kv_lora_rank=64, qk_nope_head_dim=32, qk_rope_head_dim=16,
+        mlp_layer_types=["dense", "sparse", "sparse"], q_lora_rank=128, kv_lora_rank=64, qk_nope_head_dim=32,
+        qk_rope_head_dim=16,
         v_head_dim=32, index_n_heads=4, index_head_dim=32, index_topk=16, max_position_embeddings=128,
     )  # fmt: skip
     model = build_glm5_model(hf, fused_rmsnorm=True, params_dtype=torch.bfloat16, bf16=True)

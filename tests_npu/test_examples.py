@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
-LAUNCH = REPO / "examples" / "glm5" / "run_glm5_grpo_a3.sh"
+LAUNCH = REPO / "examples" / "glm5_2" / "run_glm5_2_grpo_a3.sh"
 COMPOSE = REPO / "tests_npu" / "support" / "compose_verl_config.py"
 
 
@@ -17,12 +17,11 @@ def launch(tmp_path: Path, *extra: str, **env: str) -> subprocess.CompletedProce
     shim = tmp_path / "python"
     shim.write_text(f'#!/usr/bin/env bash\nexec "{sys.executable}" "{COMPOSE}" "$@"\n')
     shim.chmod(0o755)
-    base = {"MODEL_PATH": "/models/GLM-5.2", "TRAIN_FILES": "/data/train.parquet", "VAL_FILES": "/data/val.parquet"}
     return subprocess.run(
         ["bash", str(LAUNCH), *extra],
         capture_output=True,
         text=True,
-        env={**os.environ, **base, "PYTHON": str(shim), **env},
+        env={**os.environ, "PYTHON": str(shim), **env},
         timeout=300,
         check=False,
     )
@@ -54,6 +53,16 @@ def test_a_removed_key_is_rejected_by_the_schema(tmp_path):
     assert "grad_offload" in done.stderr
 
 
-def test_launch_requires_the_model_and_data_paths(tmp_path):
-    done = launch(tmp_path, MODEL_PATH="")
-    assert done.returncode != 0 and "set MODEL_PATH" in done.stderr
+def test_the_env_file_supplies_paths_and_cluster_shape(tmp_path):
+    env_file = tmp_path / "site.env"
+    shipped = (LAUNCH.parent / "glm5_2.env").read_text()
+    env_file.write_text(shipped.replace("/models/GLM-5.2", "/mnt/glm").replace("NNODES=32", "NNODES=2"))
+    done = launch(tmp_path, ENV_FILE=str(env_file))
+    assert done.returncode == 0, done.stderr
+    cfg = json.loads(done.stdout)["config"]
+    assert cfg["actor_rollout_ref"]["model"]["path"] == "/mnt/glm" and cfg["trainer"]["nnodes"] == 2
+
+
+def test_a_missing_env_file_stops_the_launch(tmp_path):
+    done = launch(tmp_path, ENV_FILE=str(tmp_path / "absent.env"))
+    assert done.returncode != 0 and "absent.env" in done.stderr

@@ -11,7 +11,8 @@ from verl_npu.ops.rmsnorm import RMSNorm
 
 HF = GlmMoeDsaConfig(
     vocab_size=128, hidden_size=128, num_hidden_layers=2, num_attention_heads=4, intermediate_size=256,
-    moe_intermediate_size=64, n_routed_experts=4, n_shared_experts=1, num_experts_per_tok=2, first_k_dense_replace=1,
+    moe_intermediate_size=64, n_routed_experts=4, n_shared_experts=1, num_experts_per_tok=2,
+    mlp_layer_types=["dense", "sparse"],
     q_lora_rank=64, kv_lora_rank=32, qk_nope_head_dim=32, qk_rope_head_dim=16, v_head_dim=32,
     index_n_heads=4, index_head_dim=32, index_topk=8, max_position_embeddings=64,
 )  # fmt: skip
@@ -38,7 +39,7 @@ def test_tiny_glm5_builds_with_fused_rmsnorm_and_trains_on_cpu(cpu_megatron_harn
     )
     layers = model.decoder.layers
     assert isinstance(layers[0].input_layernorm, RMSNorm) and isinstance(model.decoder.final_layernorm, RMSNorm)
-    assert not isinstance(layers[0].mlp, MoELayer) and isinstance(layers[1].mlp, MoELayer)  # first_k_dense_replace
+    assert not isinstance(layers[0].mlp, MoELayer) and isinstance(layers[1].mlp, MoELayer)  # mlp_layer_types
     assert all(any(isinstance(m, DSAttention) for m in layer.modules()) for layer in layers)
     wrapped = Float16Module(model.config, model)
     tokens = torch.randint(0, 128, (2, 16))

@@ -106,6 +106,7 @@ def test_shell_scripts_are_shellcheck_clean():
         REPO / ".ci" / "run",
         *sorted((REPO / "docker").glob("*.sh")),
         *sorted((REPO / "examples").rglob("*.sh")),
+        *sorted((REPO / "ci").rglob("*.sh")),
     ]
     done = subprocess.run(
         [shellcheck, "--severity=style", *map(str, scripts)], capture_output=True, text=True, check=False

@@ -129,3 +129,15 @@ def test_snapshot_to_host_copies_the_parameters_exactly(trained):
     slot = manager._slots["params"][0]
     assert torch.equal(arena[slot.offset : slot.offset + slot.nbytes], buffer.view(torch.uint8))
     assert not manager.on_host("params")  # a snapshot leaves the model on the device
+
+
+def test_a_forward_only_model_without_ddp_offloads_its_parameters():
+    """verl builds forward-only models (ref, forward_only=True) without megatron's DDP wrapper."""
+    ddp, _ = cpu_megatron.tiny_gpt(seed=5)
+    module = ddp.module  # the bare GPTModel: no param/grad buffers
+    before = [p.detach().clone() for p in module.parameters()]
+    manager = OffloadManager([module], None, device="cpu")
+    manager.offload(["params"])
+    assert all(p.untyped_storage().nbytes() == 0 for p in module.parameters())
+    manager.onload(["params"])
+    assert all(torch.equal(a, b) for a, b in zip(before, module.parameters(), strict=True))

@@ -36,7 +36,7 @@ def test_readme_has_the_two_commands_and_ci_runs_the_second():
     commands = _commands()
     assert len(commands) >= 2
     main_job, tests = commands[0], commands[1]
-    assert main_job.startswith("bash install.sh --target a3 && ") and "examples/glm5/run_glm5_grpo_a3.sh" in main_job
+    assert main_job == "bash install.sh --dev && .venv/bin/verl-npu preflight examples/glm5_2/run_glm5_2_grpo_a3.sh"
     assert tests.startswith("bash install.sh --dev && ")
     ci_lines = [line for line in (REPO / ".ci" / "run").read_text().splitlines() if line and not line.startswith("#")]
     assert tests in ci_lines, f".ci/run must run README's test command verbatim: {tests!r}"

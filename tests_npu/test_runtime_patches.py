@@ -61,6 +61,21 @@ def test_verl_drops_the_layer_from_the_ray_runtime_env_and_the_patch_forwards_it
         assert main_ppo.get_ppo_ray_runtime_env is constants.get_ppo_ray_runtime_env
 
 
+def test_the_patch_forwards_every_variable_of_the_cluster_env_file(monkeypatch, tmp_path):
+    env_file = tmp_path / "cluster.env"
+    env_file.write_text('# one env file: head, workers, driver\nexport MODEL_PATH="/models/x"\nTASK_QUEUE=q1\n')
+    monkeypatch.setenv("VERL_NPU_ENV_FILE", str(env_file))
+    monkeypatch.setenv("TASK_QUEUE", "q2")  # the launching shell's value wins over the file's literal
+    constants = importlib.import_module("verl.trainer.constants_ppo")
+    applied(ray_runtime_env.PATCH)
+    env_vars = constants.get_ppo_ray_runtime_env()["env_vars"]
+    assert env_vars["MODEL_PATH"] == "/models/x" and env_vars["TASK_QUEUE"] == "q2"
+    assert env_vars["VERL_NPU_ENV_FILE"] == str(env_file)
+    env_file.write_text("MODEL PATH=/x\n")
+    with pytest.raises(ValueError, match=r"cluster.env:1: expected NAME=VALUE"):
+        constants.get_ppo_ray_runtime_env()
+
+
 # --- Hadamard ------------------------------------------------------------------------------------
 
 
@@ -198,3 +213,21 @@ def test_every_patch_of_the_registry_reaches_a_final_status_here():
     statuses = {r.id: r.status for r in layer.records()}
     assert set(statuses) == {p.id for p in __import__("verl_npu.runtime_patches").runtime_patches.ALL}
     assert set(statuses.values()) <= {APPLIED, SKIPPED}
+
+
+# --- DSA sparse attention --------------------------------------------------------------------------
+
+
+def test_dsa_attention_is_replaced_by_the_sparse_one_with_the_same_result():
+    from megatron.core.transformer.experimental_attention_variant import dsa
+
+    from verl_npu.runtime_patches import dsa_sparse_attention
+
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(24, 2, 4, 16, generator=gen, dtype=torch.float32) for _ in range(3))
+    idx = torch.randint(0, 24, (2, 24, 6), generator=gen).minimum(torch.arange(24).view(1, 24, 1))
+    with without(dsa_sparse_attention.PATCH):
+        dense = dsa.unfused_dsa_fn(q, k, v, idx, 0.25)
+    applied(dsa_sparse_attention.PATCH)
+    assert dsa.unfused_dsa_fn.__module__ == "verl_npu.runtime_patches.dsa_sparse_attention"
+    torch.testing.assert_close(dsa.unfused_dsa_fn(q, k, v, idx, 0.25), dense, atol=1e-5, rtol=1e-5)

@@ -22,6 +22,7 @@ def test_real_manifest_loads_with_the_pinned_stack():
     assert stack.expected_versions("dev")["megatron-core"] == "0.18.0"
     assert stack.chips["a2"].soc_version == "ascend910b1"
     assert stack.chips["a3"].soc_version == "ascend910_9392"
+    assert stack.chips["a2"].hbm_gib == stack.chips["a3"].hbm_gib == 64
     for comp in stack.git.values():
         assert comp.commit == UNVERIFIED or re.fullmatch(r"[0-9a-f]{40}", comp.commit), comp.name
 
@@ -86,6 +87,11 @@ def _mutate(tmp_path: Path, old: str, new: str) -> Path:
             'url = "https://gitcode.com/Ascend/MindSpeed.git"',
             'url = "git@gitcode.com:Ascend/MindSpeed.git"',
             r"\[git\.mindspeed\] key 'url' must be an https:// URL",
+        ),
+        (
+            "hbm_gib = 64  # Ascend 910B1",
+            'hbm_gib = "64GB"  # Ascend 910B1',
+            r"\[chips\.a2\] key 'hbm_gib' must be a positive integer \(GiB of device memory per NPU\), found '64GB'",
         ),
         ("schema = 1", "schema = 2", r"\[top level\] key 'schema' is 2; this verl-npu reads schema 1"),
         ('pairs_with = "torch"', 'pairs_with = "pytorch"', r"\[packages\.torch-npu\] key 'pairs_with' names 'pytorch'"),

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 from pathlib import Path
@@ -115,6 +116,95 @@ def cmd_patches(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_preflight(args: argparse.Namespace) -> int:
+    from verl_npu.preflight import run_preflight
+    from verl_npu.preflight.launch import LaunchError
+    from verl_npu.preflight.report import plot, print_report, write_json
+
+    env = {}
+    for item in args.env or []:
+        name, sep, value = item.partition("=")
+        if not sep or not name.isidentifier():
+            print(f"verl-npu preflight: --env {item!r}: expected NAME=VALUE", file=sys.stderr)
+            return 2
+        env[name] = value
+    if args.overrides:
+        script, extra = None, [a for a in [args.launch, *args.args] if a is not None]
+    elif args.launch is None:
+        print("verl-npu preflight: give a launch script, or --overrides followed by Hydra overrides", file=sys.stderr)
+        return 2
+    else:
+        script, extra = args.launch, args.args
+    try:
+        report = run_preflight(
+            script,
+            extra,
+            env=env,
+            chip=args.chip,
+            model_config=args.model_config,
+            host_memory_gib=args.host_memory_gib,
+            use_cache=not args.no_cache,
+        )
+    except (LaunchError, ValueError) as exc:
+        print(f"verl-npu preflight: {exc}", file=sys.stderr)
+        return 2
+    if args.json == "-":
+        print(json.dumps(report.to_dict(), indent=2, default=str))
+    else:
+        print_report(report, _console())
+        if args.json:
+            write_json(report, Path(args.json))
+    if args.plot:
+        try:
+            plot(report, Path(args.plot))
+        except ValueError as exc:
+            print(f"verl-npu preflight: --plot: {exc}", file=sys.stderr)
+    return 0 if report.verdict == "go" else 1
+
+
+def cmd_ci_compare(args: argparse.Namespace) -> int:
+    from verl_npu.ci import compare as cmp
+
+    try:
+        if args.update:
+            data = cmp.update_baseline(args.log, args.baseline, image=args.image, commit=args.commit)
+            print(f"baseline {args.baseline} taken from {args.log}: " + ", ".join(
+                f"{k}={v['value']:g}" for k, v in data["metrics"].items()))  # fmt: skip
+            return 0
+        baseline = cmp.read_baseline(args.baseline)
+        rows = cmp.compare(args.log, baseline)
+    except cmp.CompareError as exc:
+        print(f"verl-npu ci compare: {exc}", file=sys.stderr)
+        return 2
+    table = Table(
+        title=f"{baseline.job}: {args.log} vs {args.baseline} (steps {baseline.window[0]}-{baseline.window[1]})"
+    )
+    for column in ("metric", "baseline", "current", "delta", "limit", "verdict"):
+        table.add_column(column, justify="left" if column in ("metric", "limit", "verdict") else "right")
+    for row in rows:
+        verdict = "[green]ok[/]" if row.verdict == "ok" else "[bold red]REGRESSION[/]"
+        table.add_row(row.metric, f"{row.baseline:.6g}", f"{row.current:.6g}", f"{row.delta:+.6g}", row.limit, verdict)
+    _console().print(table)
+    regressions = [r for r in rows if r.verdict != "ok"]
+    if args.json:
+        Path(args.json).write_text(json.dumps({
+            "job": baseline.job, "log": str(args.log), "baseline": str(args.baseline), "window": baseline.window,
+            "rows": [dataclasses.asdict(r) for r in rows], "regressions": len(regressions),
+        }, indent=2) + "\n")  # fmt: skip
+    return 1 if regressions else 0
+
+
+def cmd_ci_image_tag(args: argparse.Namespace) -> int:
+    from verl_npu.ci.images import image_tag
+
+    try:
+        print(image_tag(args.chip, args.commit, registry=args.registry))
+    except ValueError as exc:
+        print(f"verl-npu ci image-tag: {exc}", file=sys.stderr)
+        return 2
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="verl-npu", description="verl-npu: the Ascend NPU distribution of verl")
     parser.add_argument("--manifest", default=str(MANIFEST_PATH), help=argparse.SUPPRESS)
@@ -148,6 +238,38 @@ def build_parser() -> argparse.ArgumentParser:
         help="do not import the patch targets first (pending patches stay pending)",
     )
     p.set_defaults(func=cmd_patches)
+
+    p = sub.add_parser(
+        "preflight",
+        help="check a launch (script or overrides) against verl's schema, the mesh and device memory; exit 0 = go",
+    )
+    p.add_argument("launch", nargs="?", help="a bash launch script (read, never run)")
+    p.add_argument("args", nargs="*", help='the script\'s arguments ("$@"), or the overrides with --overrides')
+    p.add_argument("--overrides", action="store_true", help="the positional arguments are Hydra overrides, no script")
+    p.add_argument("--env", action="append", metavar="NAME=VALUE", help="environment the script starts with")
+    p.add_argument("--chip", choices=("a2", "a3"), default="a3", help="device memory per NPU from the manifest")
+    p.add_argument("--model-config", metavar="PATH|ID|glm5", help="HF config.json, model dir, cached id, or glm5")
+    p.add_argument("--host-memory-gib", type=float, metavar="GIB", help="host RAM per node to check against")
+    p.add_argument("--json", metavar="FILE", help="also write the report as JSON ('-': JSON on stdout only)")
+    p.add_argument("--plot", metavar="FILE.png", help="stacked HBM bar per pipeline stage")
+    p.add_argument("--no-cache", action="store_true", help="recompute verl's validation and the model config")
+    p.set_defaults(func=cmd_preflight)
+
+    ci = sub.add_parser("ci", help="CI tools: compare a training log with a baseline; image tags")
+    ci_sub = ci.add_subparsers(dest="ci_command", required=True)
+    p = ci_sub.add_parser("compare", help="windowed metric averages of a verl log vs a baseline; exit 1 on regression")
+    p.add_argument("log", help="verl training log (console output or file-logger JSONL)")
+    p.add_argument("baseline", help="baseline JSON (ci/baselines/<job>.json)")
+    p.add_argument("--json", metavar="FILE", help="also write the comparison as JSON")
+    p.add_argument("--update", action="store_true", help="write the baseline's values from this log instead")
+    p.add_argument("--image", help="with --update: the image tag the log was produced with")
+    p.add_argument("--commit", help="with --update: the commit the log was produced with")
+    p.set_defaults(func=cmd_ci_compare)
+    p = ci_sub.add_parser("image-tag", help="the image tag for a chip and commit (manifest hash + git sha)")
+    p.add_argument("--chip", required=True)
+    p.add_argument("--commit", required=True, help="git sha")
+    p.add_argument("--registry", default="ghcr.io/verl-npu")
+    p.set_defaults(func=cmd_ci_image_tag)
     return parser
 
 

@@ -11,6 +11,7 @@ from typing import Any
 
 import torch
 
+from verl_npu.engine.glm5_config import moe_layer_freq
 from verl_npu.engine.layer_spec import local_decoder_block_spec
 
 
@@ -18,7 +19,6 @@ def transformer_config_from_hf(hf_config: Any, **overrides: Any):
     """MLATransformerConfig with the shape of a GlmMoeDsaConfig (plus ``overrides``)."""
     from megatron.core.transformer.transformer_config import MLATransformerConfig
 
-    dense = getattr(hf_config, "first_k_dense_replace", 0) or 0
     layers = hf_config.num_hidden_layers
     fields = dict(
         num_layers=layers,
@@ -48,7 +48,7 @@ def transformer_config_from_hf(hf_config: Any, **overrides: Any):
         moe_router_topk=hf_config.num_experts_per_tok,
         moe_ffn_hidden_size=hf_config.moe_intermediate_size,
         moe_shared_expert_intermediate_size=hf_config.moe_intermediate_size * (hf_config.n_shared_experts or 0) or None,
-        moe_layer_freq=[0] * min(dense, layers) + [1] * max(layers - dense, 0),
+        moe_layer_freq=moe_layer_freq(hf_config),  # the bridge's reading: mlp_layer_types, as transformers builds
         moe_router_load_balancing_type="none",
         moe_token_dispatcher_type="allgather",
         hidden_dropout=0.0,

@@ -64,9 +64,13 @@ def _optimizer_tensors(optimizer: Any) -> Iterator[torch.Tensor]:
 
 
 def _ddp_buffers(model_chunks: Iterable[Any]) -> Iterator[Any]:
+    """megatron DDP's param/grad buffers; none for an unwrapped module (verl's forward-only models),
+    whose ``buffers`` is nn.Module's method, not DDP's list."""
     for chunk in model_chunks:
-        yield from getattr(chunk, "buffers", [])
-        yield from getattr(chunk, "expert_parallel_buffers", [])
+        for name in ("buffers", "expert_parallel_buffers"):
+            buffers = getattr(chunk, name, None)
+            if isinstance(buffers, list | tuple):
+                yield from buffers
 
 
 class OffloadManager:

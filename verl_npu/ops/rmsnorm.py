@@ -1,7 +1,8 @@
-"""RMSNorm: the portable implementation behind ``use_fused_rmsnorm`` off Ascend.
+"""RMSNorm: the module behind ``use_fused_rmsnorm``, and its portable implementation.
 
 y = x / sqrt(mean(x^2, -1) + eps) * weight, computed in fp32 and returned in x's dtype, the
-contract of ``torch_npu.npu_rms_norm(x, gamma, epsilon)[0]`` (which the Ascend path uses).
+contract of ``torch_npu.npu_rms_norm(x, gamma, epsilon)[0]``. The module runs the best backend for
+its input's device (verl_npu.ops.dispatch: torch_npu on Ascend, Triton on CUDA, this elsewhere).
 """
 
 from __future__ import annotations
@@ -38,4 +39,6 @@ class RMSNorm(torch.nn.Module):
         self.weight.sequence_parallel = config.sequence_parallel
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return rms_norm(x, self.weight, self.eps)
+        from verl_npu.ops import dispatch
+
+        return dispatch.rms_norm(x, self.weight, self.eps)

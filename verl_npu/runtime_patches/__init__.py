@@ -4,11 +4,20 @@ Each module states what it changes, why, the upstream code it targets and when t
 docs/patches.md is generated from this registry (`verl-npu patches --markdown`).
 """
 
-from verl_npu.runtime_patches import dsa_hadamard_fallback, dsa_local_spec, ray_runtime_env, rope_cpu_init
+from verl_npu.runtime_patches import (
+    dsa_hadamard_fallback,
+    dsa_local_spec,
+    dsa_sparse_attention,
+    mbridge_glm5,
+    ray_runtime_env,
+    rope_cpu_init,
+)
 
 ALL = (
     ray_runtime_env.PATCH,
     dsa_hadamard_fallback.PATCH,
+    dsa_sparse_attention.PATCH,
     *dsa_local_spec.PATCHES,
     *rope_cpu_init.PATCHES,
+    mbridge_glm5.PATCH,
 )

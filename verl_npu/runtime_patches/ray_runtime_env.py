@@ -2,7 +2,9 @@
 
 Changes: wraps ``verl.trainer.constants_ppo.get_ppo_ray_runtime_env`` so that the runtime env it
 returns also carries ``VERL_USE_EXTERNAL_MODULES``, verl-npu's own switches and the HCCL /
-determinism variables of the launching shell (only those that are set).
+determinism variables of the launching shell (only those that are set), plus every variable
+defined in the env file named by ``VERL_NPU_ENV_FILE`` (a cluster's one env file, see
+examples/glm5_2), with the launching shell's value where it has one.
 Why: verl 0.9.1 forwards neither. Workers on other nodes inherit the environment of their
 node's raylet, not of the driver, so they would run without the NPU layer or with different
 HCCL timeouts and determinism settings than the driver asked for.
@@ -14,6 +16,7 @@ from __future__ import annotations
 
 import functools
 import os
+from pathlib import Path
 
 from verl_npu.patching import Patch
 
@@ -23,6 +26,7 @@ FORWARDED_VARIABLES = (
     "VERL_NPU_TARGET",
     "VERL_NPU_BUILD_MANIFEST",
     "VERL_NPU_PLATFORM",
+    "VERL_NPU_ENV_FILE",
     "HCCL_DETERMINISTIC",
     "CLOSE_MATMUL_K_SHIFT",
     "HCCL_CONNECT_TIMEOUT",
@@ -36,6 +40,24 @@ FORWARDED_VARIABLES = (
 )
 
 
+def env_file_variables(path: str) -> dict[str, str]:
+    """``KEY=VALUE`` / ``export KEY=VALUE`` lines of a shell env file (quotes stripped, no expansion)."""
+    variables = {}
+    for number, raw in enumerate(Path(path).read_text().splitlines(), start=1):
+        line = raw.strip()
+        if not line or line.startswith("#"):
+            continue
+        line = line.removeprefix("export ").strip()
+        name, sep, value = line.partition("=")
+        if not sep or not name.isidentifier():
+            raise ValueError(f"{path}:{number}: expected NAME=VALUE, got {raw!r}")
+        value = value.strip()
+        if len(value) >= 2 and value[0] == value[-1] and value[0] in "'\"":
+            value = value[1:-1]
+        variables[name] = value
+    return variables
+
+
 def _build(original):
     @functools.wraps(original)
     def get_ppo_ray_runtime_env(*args, **kwargs):
@@ -45,6 +67,10 @@ def _build(original):
             value = os.environ.get(name)
             if value is not None:
                 env_vars.setdefault(name, value)
+        env_file = os.environ.get("VERL_NPU_ENV_FILE")
+        if env_file:
+            for name, value in env_file_variables(env_file).items():
+                env_vars.setdefault(name, os.environ.get(name, value))
         return runtime_env
 
     return get_ppo_ray_runtime_env

@@ -150,6 +150,31 @@ def read(path: Path) -> dict[str, Any]:
     return doc
 
 
+def verify(stack: Stack, target: str, path: Path) -> list[str]:
+    """Problems of an image's build manifest against ``stack`` (empty: the image is as pinned).
+
+    Run inside a freshly built image (CI does, after each build): the target, the manifest the
+    build read, every pinned version as installed now, and every git component's commit.
+    """
+    built = read(path)
+    expected = compose(
+        stack, target, {name: rec.get("resolved_commit", "") for name, rec in built.get("git", {}).items()}
+    )
+    problems = []
+    if built.get("target") != target:
+        problems.append(f"target: built for {built.get('target')!r}, expected {target!r}")
+    if built.get("stack_manifest_sha256") != expected["stack_manifest_sha256"]:
+        problems.append("stack_manifest_sha256: the image was built from a different stack.toml than it carries")
+    for dist, record in expected["versions"].items():
+        recorded = built.get("versions", {}).get(dist, {}).get("installed")
+        if not same_version(recorded, record["expected"]):
+            problems.append(f"{dist}: build manifest records {recorded}, the stack pins {record['expected']}")
+    for name in expected["git"]:
+        if name not in built.get("git", {}):
+            problems.append(f"git component {name}: not recorded in the build manifest")
+    return problems
+
+
 def _main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m verl_npu.stack.build_manifest")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -158,7 +183,25 @@ def _main(argv: list[str] | None = None) -> int:
     w.add_argument("--prefix", required=True, type=Path)
     w.add_argument("--resolved", type=Path)
     w.add_argument("--manifest", type=Path, default=MANIFEST_PATH)
+    v = sub.add_parser("verify", help="check an image's build manifest against the stack it carries")
+    v.add_argument("--target", required=True)
+    v.add_argument("--path", type=Path, help="build-manifest.json (default: the one this environment uses)")
+    v.add_argument("--manifest", type=Path, default=MANIFEST_PATH)
     args = parser.parse_args(argv)
+    if args.command == "verify":
+        path = args.path or find()
+        try:
+            if path is None:
+                raise BuildManifestError(f"no build manifest found; set {ENV_VAR} or pass --path")
+            problems = verify(load_stack(args.manifest), args.target, path)
+        except (StackError, BuildManifestError) as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            return 1
+        for problem in problems:
+            print(f"build manifest {path}: {problem}", file=sys.stderr)
+        if not problems:
+            print(f"build manifest {path}: as pinned for target {args.target}")
+        return 1 if problems else 0
     try:
         stack = load_stack(args.manifest)
         path = write(stack, args.target, args.prefix, _read_resolved(args.resolved))

@@ -41,6 +41,7 @@ class Chip:
     cann_version: str
     base_image: str
     soc_version: str
+    hbm_gib: int  # device memory of one NPU (what torch_npu sees as one device)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -171,13 +172,17 @@ _URL_RE = re.compile(r"^https://\S+$")
 
 def _load_chip(path: Path, name: str, data: Any) -> Chip:
     t = _Table(path, f"chips.{name}", data)
-    t.check_keys({"description", "cann_version", "base_image", "soc_version"})
+    t.check_keys({"description", "cann_version", "base_image", "soc_version", "hbm_gib"})
+    hbm = t.data["hbm_gib"]
+    if not isinstance(hbm, int) or isinstance(hbm, bool) or hbm <= 0:
+        t.fail("hbm_gib", f"must be a positive integer (GiB of device memory per NPU), found {hbm!r}")
     return Chip(
         name=name,
         description=t.string("description"),
         cann_version=t.string("cann_version", _VERSION_RE, "a version"),
         base_image=t.string("base_image", _IMAGE_RE, "a fully tagged image reference (registry/name:tag)"),
         soc_version=t.string("soc_version", _SOC_RE, "an Ascend SOC_VERSION such as ascend910b1"),
+        hbm_gib=hbm,
     )
 
 

@@ -2,18 +2,21 @@
 # GRPO on GLM-5.2 (model_type glm_moe_dsa, ~744B total / 40B active) with Megatron + vLLM on
 # 32 Atlas A3 nodes x 16 NPUs, in the verl-npu A3 image (docker/Dockerfile.a3).
 #
-# Run on the Ray head node once every node has joined the cluster (`ray start`), e.g.
-#   MODEL_PATH=/models/GLM-5.2 TRAIN_FILES=/data/train.parquet VAL_FILES=/data/val.parquet \
-#     bash examples/glm5/run_glm5_grpo_a3.sh trainer.total_training_steps=200
-# Extra arguments are Hydra overrides passed to the trainer. Check `verl-npu doctor` on each node first.
+# 1. Edit glm5_2.env (paths, cluster shape). 2. Check the launch anywhere, no NPU needed:
+#      verl-npu preflight examples/glm5_2/run_glm5_2_grpo_a3.sh
+# 3. Start Ray with examples/glm5_2/ray_start.sh (head, then workers); it waits for every NPU and
+#    runs an HCCL all-reduce smoke test. 4. On the head node:
+#      bash examples/glm5_2/run_glm5_2_grpo_a3.sh trainer.total_training_steps=200
+# Extra arguments are Hydra overrides passed to the trainer.
 set -euo pipefail
 
-MODEL_PATH="${MODEL_PATH:?set MODEL_PATH to the GLM-5.2 Hugging Face checkpoint directory}"
-TRAIN_FILES="${TRAIN_FILES:?set TRAIN_FILES to the training parquet file(s)}"
-VAL_FILES="${VAL_FILES:?set VAL_FILES to the validation parquet file(s)}"
-CKPT_DIR="${CKPT_DIR:-$PWD/checkpoints/glm5_grpo}"
-NNODES="${NNODES:-32}"
-NPUS_PER_NODE="${NPUS_PER_NODE:-16}"
+EXAMPLE_DIR="${BASH_SOURCE[0]%/*}"
+ENV_FILE="${ENV_FILE:-$EXAMPLE_DIR/glm5_2.env}"
+set -a
+# shellcheck source=/dev/null
+source "$ENV_FILE"
+set +a
+export VERL_NPU_ENV_FILE="$ENV_FILE"
 PYTHON="${PYTHON:-python3}"
 
 # Parallelism (train): 78 layers over PP8 = 9 on the first and last stage, 10 on the six others.
@@ -25,12 +28,8 @@ ROLLOUT_TP=8 ROLLOUT_DP=8 ROLLOUT_EP=64
 MAX_PROMPT_LENGTH=$((24 * 1024))
 MAX_RESPONSE_LENGTH=$((8 * 1024))
 
-# HCCL: long first collectives while 512 ranks load a 744B checkpoint.
-export HCCL_CONNECT_TIMEOUT=7200 HCCL_EXEC_TIMEOUT=7200 HCCL_BUFFSIZE=400
-export HCCL_DETERMINISTIC="${HCCL_DETERMINISTIC:-false}"
 JEMALLOC="/usr/lib/$(uname -m)-linux-gnu/libjemalloc.so.2"
 if [[ -f "$JEMALLOC" ]]; then export LD_PRELOAD="$JEMALLOC${LD_PRELOAD:+:$LD_PRELOAD}"; fi
-export VERL_USE_EXTERNAL_MODULES="${VERL_USE_EXTERNAL_MODULES:-verl_npu.megatron_adaptor}"
 
 MEGATRON=actor_rollout_ref.actor.megatron
 TRANSFORMER=$MEGATRON.override_transformer_config
@@ -70,6 +69,7 @@ TRANSFORMER=$MEGATRON.override_transformer_config
     $MEGATRON.vanilla_mbridge=True \
     $MEGATRON.param_offload=True \
     $MEGATRON.optimizer_offload=True \
+    $MEGATRON.use_remove_padding=False \
     +$TRANSFORMER.num_layers_in_first_pipeline_stage=$FIRST_STAGE_LAYERS \
     +$TRANSFORMER.num_layers_in_last_pipeline_stage=$LAST_STAGE_LAYERS \
     $TRANSFORMER.recompute_granularity=full \

@@ -1,0 +1,307 @@
+"""`verl-npu preflight` on the GLM-5.2 example and on broken variants of it, each with its exact diagnosis."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from verl_npu.preflight import run_preflight
+from verl_npu.preflight.checks import FAIL
+
+REPO = Path(__file__).resolve().parent.parent
+EXAMPLE = REPO / "examples" / "glm5_2"
+LAUNCH = EXAMPLE / "run_glm5_2_grpo_a3.sh"
+
+
+def variant(tmp_path: Path, *edits: tuple[str, str]) -> Path:
+    """A copy of the example (script + env file) with each ``old -> new`` edit applied exactly once."""
+    target = tmp_path / "glm5_2"
+    shutil.copytree(EXAMPLE, target)
+    script = target / LAUNCH.name
+    text = script.read_text()
+    for old, new in edits:
+        assert text.count(old) == 1, f"{old!r} must occur once in the example"
+        text = text.replace(old, new)
+    script.write_text(text)
+    return script
+
+
+def failures(report) -> list[tuple[str, str, str]]:
+    return [(c.area, c.name, c.message) for c in report.checks if c.status == FAIL]
+
+
+def test_the_glm5_2_example_is_go_with_per_stage_hbm_and_per_node_host_ram():
+    report = run_preflight(LAUNCH)
+    assert report.verdict == "go", failures(report)
+    memory = report.memory
+    assert [s.layers for s in memory.stages] == [9, 10, 10, 10, 10, 10, 10, 9]
+    assert memory.capacity_bytes == 64 * 2**30  # A3 HBM per NPU, from the stack manifest
+    for stage in memory.stages:
+        assert 0 < stage.train_bytes <= memory.capacity_bytes
+        assert memory.rollout_bytes(stage) <= memory.capacity_bytes
+        assert stage.host_bytes > 0  # param and optimizer offload put state in host RAM
+    assert memory.host_bytes_per_node == max(
+        sum(memory.stages[s].host_bytes for s in node) for node in _node_stages(memory)
+    )
+    names = {c.name for c in report.checks}
+    assert {"actor-build-plan", "actor-mesh", "rollout-mesh", "batch", "fits"} <= names
+    plan = next(c for c in report.checks if c.name == "actor-build-plan").message
+    for feature in ("fused_rmsnorm", "dsa_fused_ascend", "param_offload", "optimizer_offload", "precision_aware"):
+        assert feature in plan
+
+
+def _node_stages(memory) -> list[list[int]]:
+    # 16 NPUs per node over ranks laid out with PP outermost: 64 ranks per stage = 4 nodes per stage
+    return [[n // 4] * 16 for n in range(32)]
+
+
+@pytest.mark.parametrize(
+    ("edits", "area", "name", "message"),
+    [
+        pytest.param(
+            [
+                (
+                    "    $MEGATRON.param_offload=True \\\n",
+                    "    $MEGATRON.param_offload=True \\\n    $MEGATRON.grad_offload=True \\\n",
+                )
+            ],
+            "config",
+            "removed-key",
+            "verl removed megatron.grad_offload (2026-08): param_offload=True now also releases the gradient buffers",
+            id="grad_offload-key",
+        ),
+        pytest.param(
+            [("actor_rollout_ref.actor.clip_ratio_low=0.2", "actor_rollout_ref.actor.clip_ration_low=0.2")],
+            "config",
+            "unknown-key",
+            "did you mean 'actor_rollout_ref.actor.clip_ratio_low'?",
+            id="misspelled-key",
+        ),
+        pytest.param(
+            [
+                (
+                    '    trainer.val_before_train=False \\\n    "$@"',
+                    '    trainer.val_before_train=False | tee train.log "$@"',
+                )
+            ],
+            "launch",
+            "args-to-tee",
+            "tee",
+            id="args-into-tee",
+        ),
+        pytest.param(
+            [("TRAIN_EP=64", "TRAIN_EP=48")],
+            "mesh",
+            "actor-ep",
+            "world size 512 is not divisible by PP 8 x EP 48 x ETP 1 = 384 (the expert-parallel group)",
+            id="ep-does-not-divide",
+        ),
+        pytest.param(
+            [("FIRST_STAGE_LAYERS=9", "FIRST_STAGE_LAYERS=8")],
+            "mesh",
+            "actor-pp-layers",
+            "78 layers - 8 (first stage) - 9 (last stage) = 61 over 6 stages do not split evenly",
+            id="pp-does-not-divide-layers",
+        ),
+        pytest.param(
+            [("TRAIN_TP=2 ", "TRAIN_TP=1 ")],
+            "mesh",
+            "actor-sp",
+            "sequence_parallel=True needs tensor_model_parallel_size > 1",
+            id="sp-with-tp1",
+        ),
+        pytest.param(
+            [("    +$TRANSFORMER.use_fused_lightning_indexer_kl_loss=True \\\n", "")],
+            "engine",
+            "actor-build-plan",
+            "the three fused DSA operators only work together",
+            id="dsa-fused-flags-partial",
+        ),
+        pytest.param(
+            [
+                (
+                    "    +$TRANSFORMER.use_fused_rmsnorm=True \\\n",
+                    "    +$TRANSFORMER.use_fused_rmsnorm=True \\\n    +$TRANSFORMER.normalization=LayerNorm \\\n",
+                )
+            ],
+            "engine",
+            "actor-build-plan",
+            "fused RMSNorm requires normalization='RMSNorm'",
+            id="fused-rmsnorm-with-layernorm",
+        ),
+        pytest.param(
+            [("data.train_batch_size=64", "data.train_batch_size=48")],
+            "mesh",
+            "batch-mini",
+            "data.train_batch_size 48 is not divisible by actor.ppo_mini_batch_size 32",
+            id="batch-does-not-divide",
+        ),
+        pytest.param(
+            [("    $MEGATRON.param_offload=True \\\n    $MEGATRON.optimizer_offload=True \\\n", "")],
+            "memory",
+            "stage1-rollout",
+            "enable megatron.param_offload and megatron.optimizer_offload",
+            id="exceeds-hbm-without-offload",
+        ),
+        pytest.param(
+            [("TRAIN_FILES=", "TRAIN_FILE=")],
+            "launch",
+            "unset-variable",
+            "TRAIN_FILES",
+            id="unset-variable",
+        ),
+        pytest.param(
+            [('"$PYTHON" -m verl.trainer.main_ppo', '"$PYTHON" -m verl.trainer.main_ppo_typo')],
+            "launch",
+            "no-trainer",
+            "verl.trainer.main_ppo",
+            id="trainer-never-invoked",
+        ),
+    ],
+)
+def test_broken_variant_gets_its_exact_diagnosis(tmp_path, edits, area, name, message):
+    if area == "launch" and name == "unset-variable":  # the edit is in the env file, not the script
+        script = variant(tmp_path)
+        env = script.parent / "glm5_2.env"
+        env.write_text(env.read_text().replace(*edits[0]))
+    else:
+        script = variant(tmp_path, *edits)
+    report = run_preflight(script)
+    assert report.verdict == "no-go"
+    matching = [f for f in failures(report) if f[0] == area and f[1] == name]
+    assert matching, f"expected a failed {area}/{name} check, got {failures(report)}"
+    assert any(message in f[2] for f in matching), matching
+
+
+def test_the_same_launch_fits_with_offload_and_not_without():
+    """The acceptance pair: only the offload switches differ."""
+    with_offload = run_preflight(LAUNCH)
+    without = run_preflight(LAUNCH, ["actor_rollout_ref.actor.megatron.param_offload=False",
+                                     "actor_rollout_ref.actor.megatron.optimizer_offload=False"])  # fmt: skip
+    assert with_offload.memory.fits is True and without.memory.fits is False
+    stage = max(without.memory.stages, key=lambda s: s.floor_bytes)
+    assert without.memory.rollout_bytes(stage) > without.memory.capacity_bytes
+    assert with_offload.memory.stages[stage.stage].train_bytes == stage.train_bytes  # offload moves, not shrinks
+
+
+def test_overrides_without_a_script_are_checked_the_same_way():
+    report = run_preflight(
+        None,
+        ["--config-name=ppo_megatron_trainer", "actor_rollout_ref.model.path=glm5", "trainer.nnodes=1",
+         "trainer.n_gpus_per_node=8", "actor_rollout_ref.actor.megatron.tensor_model_parallel_size=3"],
+    )  # fmt: skip
+    assert report.verdict == "no-go"
+    assert any(f[1] == "actor-dp" and "TP 3" in f[2] for f in failures(report)), failures(report)
+
+
+def cli(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "verl_npu.cli", "preflight", *args],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+
+
+def test_cli_go_writes_json_and_a_plot(tmp_path):
+    done = cli(str(LAUNCH), "--json", str(tmp_path / "r.json"), "--plot", str(tmp_path / "r.png"))
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "GO" in done.stdout and "HBM per device" in done.stdout and "host RAM" in done.stdout
+    data = json.loads((tmp_path / "r.json").read_text())
+    assert data["verdict"] == "go" and len(data["memory"]["stages"]) == 8
+    import matplotlib.image
+
+    image = matplotlib.image.imread(tmp_path / "r.png")
+    assert image.shape[0] > 100 and image.shape[1] > 100
+
+
+def test_cli_no_go_exits_1_and_a_missing_script_exits_2(tmp_path):
+    script = variant(tmp_path, ("TRAIN_TP=2 ", "TRAIN_TP=1 "))
+    done = cli(str(script), "--json", "-")
+    assert done.returncode == 1
+    assert json.loads(done.stdout)["verdict"] == "no-go"
+    missing = cli(str(tmp_path / "absent.sh"))
+    assert missing.returncode == 2 and "absent.sh" in missing.stderr
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        [],
+        ["algorithm.adv_estimator=gae"],
+        ["algorithm.adv_estimator=grpo", "critic.enable=True"],
+        ["actor_rollout_ref.actor.use_kl_loss=True"],
+        ["algorithm.use_kl_in_reward=True", "critic.enable=False"],
+    ],
+)
+def test_role_predicates_agree_with_verls_own(overrides):
+    import warnings
+
+    from verl.trainer.ppo.utils import need_critic, need_reference_policy
+
+    from verl_npu.preflight.config_check import compose_config, needs_critic, needs_reference_policy
+
+    config, checks = compose_config("ppo_megatron_trainer", overrides)
+    assert config is not None, checks
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        assert needs_critic(config) == need_critic(config)
+    assert needs_reference_policy(config) == need_reference_policy(config)
+
+
+def test_rollout_ep_must_span_tp_times_dp(tmp_path):
+    report = run_preflight(variant(tmp_path, ("ROLLOUT_EP=64", "ROLLOUT_EP=32")))
+    messages = [f[2] for f in failures(report) if f[1] == "rollout-ep"]
+    assert messages and "expert_parallel_size 32 must equal TP 8 x DP 8 = 64" in messages[0]
+
+
+def test_token_budget_below_the_padded_longest_sequence_fails(tmp_path):
+    script = variant(
+        tmp_path,
+        ("ppo_max_token_len_per_gpu=$((MAX_PROMPT_LENGTH + MAX_RESPONSE_LENGTH))", "ppo_max_token_len_per_gpu=32760"),
+        ("MAX_RESPONSE_LENGTH=$((8 * 1024))", "MAX_RESPONSE_LENGTH=8180"),
+    )
+    report = run_preflight(script)
+    messages = [f[2] for f in failures(report) if f[1] == "actor-thd-alignment"]
+    assert messages, failures(report)
+    assert "32756-token sequence padded to a multiple of 16 (tp*cp*2) is 32768 tokens" in messages[0]
+
+
+def test_a_glm5_config_the_bridge_cannot_build_is_no_go(tmp_path):
+    from transformers import GlmMoeDsaConfig
+
+    shared = GlmMoeDsaConfig(index_topk_freq=2)  # every other layer reuses the previous layer's top-k
+    assert "shared" in shared.indexer_types
+    shared.save_pretrained(tmp_path / "glm")
+    report = run_preflight(LAUNCH, model_config=str(tmp_path / "glm"))
+    messages = [f[2] for f in failures(report) if f[1] == "model-bridge"]
+    assert messages and "'shared' layers reuse the previous layer's DSA top-k" in messages[0]
+    assert any(c.name == "model-bridge" and c.status == "ok" for c in run_preflight(LAUNCH).checks)
+
+
+def test_a_repeated_check_reuses_the_cached_answer_until_the_model_config_changes(tmp_path, monkeypatch):
+    from transformers import GlmMoeDsaConfig
+
+    from verl_npu.preflight import worker
+
+    monkeypatch.setenv("VERL_NPU_CACHE_DIR", str(tmp_path / "cache"))
+    GlmMoeDsaConfig().save_pretrained(tmp_path / "glm")
+    first = run_preflight(LAUNCH, model_config=str(tmp_path / "glm"))
+    assert first.verdict == "go" and len(list((tmp_path / "cache").rglob("*.json"))) == 1
+
+    started = []
+    monkeypatch.setattr(worker.subprocess, "Popen", lambda *a, **k: started.append(a) or pytest.fail("worker ran"))
+    second = run_preflight(LAUNCH, model_config=str(tmp_path / "glm"))
+    assert second.to_dict() == first.to_dict() and not started
+
+    GlmMoeDsaConfig(index_topk_freq=2).save_pretrained(tmp_path / "glm")  # same path, new bytes
+    monkeypatch.undo()
+    monkeypatch.setenv("VERL_NPU_CACHE_DIR", str(tmp_path / "cache"))
+    third = run_preflight(LAUNCH, model_config=str(tmp_path / "glm"))
+    assert third.verdict == "no-go"

@@ -1,0 +1,1 @@
+"""Cluster bring-up checks for multi-node launches (Ray registration, collective smoke test)."""

@@ -1,0 +1,262 @@
+"""mbridge bridge for GLM-5 / GLM-5.x (HF ``glm_moe_dsa``): MLA + MoE + DeepSeek sparse attention (DSA).
+
+mbridge 0.15.1 has no ``glm_moe_dsa`` bridge, so verl's vanilla-mbridge path cannot build GLM-5.
+:class:`GLM5Bridge` extends mbridge's DeepSeek-V3 bridge (same MLA and MoE weight tables) with
+
+* the config mapping to megatron-core 0.18's ``MLATransformerConfig``, DSA included
+  (``experimental_attention_variant="dsa"``, indexer heads, head dim and top-k) and GLM-5's router;
+* HF <-> megatron names for the DSA indexer (``self_attn.indexer.*`` <->
+  ``self_attention.core_attention.indexer.*``), and for the local spec's separate q/kv norms and
+  SequentialMLP experts (verl_npu.engine.layer_spec) besides TransformerEngine's names;
+* the RoPE layouts megatron computes with. Its MLA and DSA indexer rotate interleaved pairs
+  (2i, 2i+1), and its indexer puts the rotary dims after the others. GLM-5 checkpoints put the
+  indexer's rotary dims first. ``rope_interleave`` / ``indexer_rope_interleave`` say which pairs the
+  checkpoint rotates: true (GLM-5.2's published config; also what an absent flag means, as vLLM
+  reads it) is megatron's order, false (half-split pairs (i, i+d/2), what transformers 5.10's
+  GlmMoeDsa computes whatever the config says) needs the rotary rows reordered. Rows are permuted
+  on load and back on export, so exported weights equal the checkpoint's.
+
+Refused with an error: DSA top-k sharing across layers (``indexer_types`` "shared", GLM-5.2), which
+megatron-core 0.18's DSA does not implement; rope types other than "default"; a router that
+megatron cannot express. MTP layers (``num_nextn_predict_layers``) are not built.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from typing import ClassVar
+
+import torch
+from mbridge.core import LLMBridge, register_model
+from mbridge.core.bridge import _MODEL_REGISTRY
+from mbridge.core.safetensor_io import SafeTensorIO
+from mbridge.core.util import unwrap_model
+from mbridge.models.deepseek_v3 import DeepseekV3Bridge
+
+from verl_npu.engine.glm5_config import MODEL_TYPE, glm5_config_fields, rope_parameters
+
+logger = logging.getLogger(__name__)
+
+_LAYER_PARAM = re.compile(r"decoder\.layers\.(\d+)\.(.+)")
+_TE_EXPERT = re.compile(r"(mlp\.experts\.linear_fc[12]\.weight)(\d+)")
+_LOCAL_EXPERT = re.compile(r"\.mlp\.experts\.local_experts\.(\d+)\.(linear_fc[12])\.weight$")
+
+# Parameters whose rows hold rotary dims, so their layout depends on the rope conventions.
+_MAIN_ROPE_ROWS = ("self_attention.linear_q_up_proj.weight", "self_attention.linear_kv_down_proj.weight")
+_INDEXER_ROWS = (
+    "indexer.linear_wq_b.weight",
+    "indexer.linear_wk.weight",
+    "indexer.k_norm.weight",
+    "indexer.k_norm.bias",
+)
+
+
+def _rope_order(rope_dim: int, interleaved: bool) -> torch.Tensor:
+    """For each rotary position megatron computes with, the checkpoint position it reads."""
+    if interleaved:
+        return torch.arange(rope_dim)
+    half = torch.arange(rope_dim // 2)
+    return torch.stack([half, half + rope_dim // 2], dim=-1).flatten()  # pairs (i, i+d/2) -> (2i, 2i+1)
+
+
+def _reorder_rows(tensor: torch.Tensor, order: torch.Tensor) -> torch.Tensor:
+    """Reorder the rows of each block of ``len(order)`` rows (a head) of a weight, bias or norm."""
+    blocks = tensor.reshape(-1, len(order), *tensor.shape[1:])
+    return blocks[:, order.to(tensor.device)].reshape(tensor.shape)
+
+
+class GLM5Bridge(DeepseekV3Bridge):
+    """Bridge for ``GlmMoeDsaForCausalLM`` (GLM-5, GLM-5.1): DeepSeek-V3's tables plus DSA."""
+
+    _ATTENTION_MAPPING: ClassVar[dict[str, list[str]]] = {
+        **DeepseekV3Bridge._ATTENTION_MAPPING,
+        # local spec: the q/kv norms are modules of their own, not fused into the up projections
+        "self_attention.q_layernorm.weight": ["model.layers.{layer_number}.self_attn.q_a_layernorm.weight"],
+        "self_attention.kv_layernorm.weight": ["model.layers.{layer_number}.self_attn.kv_a_layernorm.weight"],
+        "self_attention.core_attention.indexer.linear_wq_b.weight": [
+            "model.layers.{layer_number}.self_attn.indexer.wq_b.weight"
+        ],
+        "self_attention.core_attention.indexer.linear_wk.weight": [
+            "model.layers.{layer_number}.self_attn.indexer.wk.weight"
+        ],
+        "self_attention.core_attention.indexer.k_norm.weight": [
+            "model.layers.{layer_number}.self_attn.indexer.k_norm.weight"
+        ],
+        "self_attention.core_attention.indexer.k_norm.bias": [
+            "model.layers.{layer_number}.self_attn.indexer.k_norm.bias"
+        ],
+        "self_attention.core_attention.indexer.linear_weights_proj.weight": [
+            "model.layers.{layer_number}.self_attn.indexer.weights_proj.weight"
+        ],
+    }
+    _LAYER_MAPPING: ClassVar[dict[str, list[str]]] = {**_ATTENTION_MAPPING, **DeepseekV3Bridge._MLP_MAPPING}
+
+    # --- config ------------------------------------------------------------------------------
+    def _build_config(self):
+        return self._build_base_config(**glm5_config_fields(self.hf_config))
+
+    def _get_gptmodel_args(self) -> dict:
+        return dict(
+            vocab_size=self.hf_config.vocab_size,
+            max_sequence_length=self.hf_config.max_position_embeddings,
+            position_embedding_type="rope",  # MLA builds its own rotary embeddings; GPTModel builds none
+            rotary_base=rope_parameters(self.hf_config)[1],
+        )
+
+    # DeepSeek-V3's provider adds MTP layers for 61-layer models only; LLMBridge's pads the vocabulary.
+    _model_provider = LLMBridge._model_provider
+
+    def _get_transformer_layer_spec(self, vp_stage: int | None = None):
+        """TransformerEngine spec with DSA attention (mbridge's default spec has no DSA).
+
+        The local spec (verl_npu.engine.mbridge_local) replaces this method on the engine's bridge.
+        """
+        from megatron.core.models.gpt.experimental_attention_variant_module_specs import (
+            get_transformer_block_with_experimental_attention_variant_spec,
+        )
+
+        self.has_vp_stage = True  # read by LLMBridge's provider
+        return get_transformer_block_with_experimental_attention_variant_spec(self.config, vp_stage=vp_stage)
+
+    def _get_safetensor_io(self, weights_path: str):
+        path = self._get_actual_hf_path(weights_path)
+        plain = SafeTensorIO(path)
+        # DeepSeek-V3's reader dequantises FP8 blocks but needs an index file; bf16 checkpoints need neither.
+        if not any(name.endswith("_scale_inv") for name in plain.index):
+            return plain
+        from mbridge.models.ext.deepseek_v3.dequant_fp8_safetensor_io import DequantFP8SafeTensorIO
+
+        return DequantFP8SafeTensorIO(path)
+
+    # --- names -------------------------------------------------------------------------------
+    def _weight_name_mapping_mcore_local_to_global(self, model, consider_ep: bool = True) -> dict[str, str]:
+        """mbridge's mapping, with local-spec SequentialMLP experts named like TE's grouped experts.
+
+        mbridge's expert handling (EP id offsets, EP gathering on export, HF expert names) keys on
+        TE's ``mlp.experts.linear_fc1.weight<id>``; the local spec names the same weight
+        ``mlp.experts.local_experts.<id>.linear_fc1.weight``.
+        """
+        mapping = super()._weight_name_mapping_mcore_local_to_global(model, consider_ep=consider_ep)
+        if getattr(self, "_defer_local_experts", False):  # load_weights loads them itself
+            return {local: name for local, name in mapping.items() if not _LOCAL_EXPERT.search(local)}
+        offset = 0
+        if consider_ep and self.mpu.ep_size > 1:
+            offset = self.config.num_moe_experts // self.mpu.ep_size * self.mpu.ep_rank
+        for local, name in mapping.items():
+            if match := _LOCAL_EXPERT.search(name):
+                mapping[local] = f"{name[: match.start()]}.mlp.experts.{match[2]}.weight{int(match[1]) + offset}"
+        return mapping
+
+    def _weight_name_mapping_mcore_to_hf(self, mcore_weights_name: str) -> list[str]:
+        assert "_extra_state" not in mcore_weights_name, "extra_state should not be loaded"
+        if mcore_weights_name in self._DIRECT_MAPPING:
+            return [self._DIRECT_MAPPING[mcore_weights_name]]
+        name = mcore_weights_name
+        if match := _LOCAL_EXPERT.search(name):
+            name = f"{name[: match.start()]}.mlp.experts.{match[2]}.weight{match[1]}"
+        layer = _LAYER_PARAM.fullmatch(name)
+        if layer is None:
+            what = "MTP layers are not built by this bridge" if name.startswith("mtp.") else "unknown parameter"
+            raise NotImplementedError(f"GLM-5 bridge: {what}: {mcore_weights_name}")
+        layer_number, suffix = layer.groups()
+        expert_id = None
+        if expert := _TE_EXPERT.fullmatch(suffix):
+            suffix, expert_id = expert.groups()
+        templates = self._LAYER_MAPPING.get(suffix)
+        if templates is None:
+            raise NotImplementedError(f"GLM-5 bridge: unsupported parameter name: {mcore_weights_name}")
+        return [t.format(layer_number=layer_number, expert_id=expert_id) for t in templates]
+
+    # --- tensors -----------------------------------------------------------------------------
+    def _row_order(self, mcore_weights_name: str) -> torch.Tensor | None:
+        """How megatron's rows of this parameter read the checkpoint's, or None when they are the same."""
+        cfg = self.hf_config
+        rope = cfg.qk_rope_head_dim
+        if mcore_weights_name.endswith(_INDEXER_ROWS):
+            dim = cfg.index_head_dim
+            # checkpoint: [rotary, rest] per head; megatron's indexer: [rest, rotary]
+            rotary = _rope_order(rope, getattr(cfg, "indexer_rope_interleave", True))
+            return torch.cat([torch.arange(rope, dim), rotary])
+        if mcore_weights_name.endswith(_MAIN_ROPE_ROWS) and not getattr(cfg, "rope_interleave", True):
+            before = cfg.qk_nope_head_dim if "linear_q_up_proj" in mcore_weights_name else cfg.kv_lora_rank
+            return torch.cat([torch.arange(before), before + _rope_order(rope, interleaved=False)])
+        return None
+
+    def _weight_to_mcore_format(self, mcore_weights_name: str, hf_weights: list[torch.Tensor]) -> torch.Tensor:
+        weight = super()._weight_to_mcore_format(mcore_weights_name, hf_weights)
+        order = self._row_order(mcore_weights_name)
+        return weight if order is None else _reorder_rows(weight, order)
+
+    def _weight_to_hf_format(self, mcore_weights_name: str, mcore_weights: torch.Tensor):
+        order = self._row_order(mcore_weights_name)
+        if order is not None:
+            mcore_weights = _reorder_rows(mcore_weights, torch.argsort(order))
+        return super()._weight_to_hf_format(mcore_weights_name, mcore_weights)
+
+    # --- local-spec experts under expert / tensor parallelism --------------------------------
+    def load_weights(self, models: list[torch.nn.Module], weights_path: str, memory_efficient: bool = False) -> None:
+        """mbridge's loader, with the local spec's experts loaded the way mbridge loads TE's.
+
+        mbridge tells experts (each EP rank reads its own, split over the expert-TP group) from other
+        weights (TP rank 0 reads and scatters over the TP group) by TE's parameter names. It would
+        scatter a local-spec expert from TP rank 0 to TP ranks that hold other experts whenever
+        expert parallelism spans the TP ranks, so those experts are loaded here instead.
+        """
+        self._defer_local_experts = True
+        try:
+            super().load_weights(models, weights_path, memory_efficient)
+        finally:
+            self._defer_local_experts = False
+        for model in models:
+            self._load_local_experts(unwrap_model(model), memory_efficient)
+
+    def _load_local_experts(self, model: torch.nn.Module, memory_efficient: bool) -> None:
+        names = {
+            local: name
+            for local, name in self._weight_name_mapping_mcore_local_to_global(model).items()
+            if _LOCAL_EXPERT.search(local)
+        }
+        hf_names = {local: self._weight_name_mapping_mcore_to_hf(name) for local, name in names.items()}
+        read_now = self.mpu.etp_rank == 0 and not memory_efficient
+        loaded = self.safetensor_io.load_some_hf_weight([n for ns in hf_names.values() for n in ns]) if read_now else {}
+        state = model.state_dict()
+        for local, name in names.items():
+            param, shards = state[local], None
+            if self.mpu.etp_rank == 0:
+                tensors = [loaded[n] if read_now else self.safetensor_io.load_one_hf_weight(n) for n in hf_names[local]]
+                weight = self._weight_to_mcore_format(name, tensors)
+                split = self._weight_split_across_tp(name, weight, param, self.mpu.etp_size)  # TE-style name
+                shards = [t.to(param.device, dtype=param.dtype).contiguous() for t in split]
+            received = torch.empty_like(param)
+            source = torch.distributed.get_global_rank(self.mpu.etp_group, 0)
+            torch.distributed.scatter(received, shards, src=source, group=self.mpu.etp_group)
+            param.copy_(received)
+
+    def _weight_merge_across_tp(self, mcore_weights_name, mcore_weights, param):
+        # Experts without expert TP are gathered over the TP group (their parameters carry
+        # tensor_model_parallel) as identical copies; mbridge expects expert-TP-many shards.
+        if "mlp.experts.linear_fc" in mcore_weights_name and self.mpu.etp_size == 1:
+            return mcore_weights[0]
+        return super()._weight_merge_across_tp(mcore_weights_name, mcore_weights, param)
+
+
+_warned_upstream: set[type] = set()
+
+
+def register() -> type:
+    """Register :class:`GLM5Bridge` for ``glm_moe_dsa`` unless mbridge has a bridge of its own.
+
+    Idempotent; returns the class registered for ``glm_moe_dsa``.
+    """
+    existing = _MODEL_REGISTRY.get(MODEL_TYPE)
+    if existing is None:
+        register_model(MODEL_TYPE)(GLM5Bridge)
+    elif existing is not GLM5Bridge and existing not in _warned_upstream:
+        _warned_upstream.add(existing)
+        logger.warning(
+            "verl-npu: mbridge registers %s for %s itself; verl-npu's GLM5Bridge is not used",
+            f"{existing.__module__}.{existing.__qualname__}",
+            MODEL_TYPE,
+        )
+    return _MODEL_REGISTRY[MODEL_TYPE]

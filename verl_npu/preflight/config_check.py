@@ -1,0 +1,344 @@
+"""Check a launch's overrides against verl 0.9.1's own config: Hydra composition, then verl's validation.
+
+No copy of verl's schema lives here. The overrides are composed with Hydra's compose API on the
+config directory of the installed verl (struct mode: an unknown key fails), then verl's
+``validate_config`` and config dataclasses run their own checks, and the engine's build plan
+(``verl_npu.engine.build_plan``, the code the engine itself runs) judges the verl-npu features.
+What this module adds is the diagnosis: the nearest valid key for a misspelling, a migration note
+for keys verl removed, and every bad override reported at once instead of the first.
+"""
+
+from __future__ import annotations
+
+import difflib
+import importlib.util
+import os
+import re
+import warnings
+from collections.abc import Mapping, Sequence
+from functools import cache
+from pathlib import Path
+from typing import Any
+
+from verl_npu.preflight.checks import FAIL, OK, WARN, Check
+
+DEFAULT_CONFIG_NAME = "ppo_trainer"  # what verl.trainer.main_ppo composes without --config-name
+OTC_SUFFIX = ".override_transformer_config."
+DDP_SUFFIX = ".override_ddp_config."
+
+# Keys verl removed, by their last path segment: why, and what to do instead.
+REMOVED_KEYS = {
+    "grad_offload": (
+        "verl removed megatron.grad_offload (2026-08): param_offload=True now also releases the gradient "
+        "buffers while the model is inactive. Delete the key (and set megatron.param_offload=True if you "
+        "meant to offload)"
+    ),
+}
+
+_KEY_IN_MESSAGE = (
+    re.compile(r"Could not override '([^']+)'"),
+    re.compile(r"An item is already at '([^']+)'"),
+    re.compile(r"Could not delete from config\. '([^']+)'"),
+    re.compile(r"Error parsing override '([^']+)'"),
+    re.compile(r"Could not append to config\. An item is already at '([^']+)'"),
+)
+
+
+def verl_config_dir() -> Path:
+    """verl's Hydra config directory, found without importing verl (its import takes seconds)."""
+    spec = importlib.util.find_spec("verl")
+    if spec is None or not spec.submodule_search_locations:
+        raise RuntimeError("verl is not installed in this environment: run `bash install.sh --dev`")
+    return Path(next(iter(spec.submodule_search_locations))) / "trainer" / "config"
+
+
+def override_key(override: str) -> str:
+    """The dotted key of a Hydra override (without +, ++ or ~ and without the value)."""
+    return override.lstrip("+~").split("=", 1)[0].strip()
+
+
+def _compose(config_name: str, overrides: Sequence[str]):
+    from hydra import compose, initialize_config_dir
+
+    with initialize_config_dir(config_dir=str(verl_config_dir()), version_base=None):
+        return compose(config_name=config_name, overrides=list(overrides))
+
+
+@cache
+def _base_keys(config_name: str) -> tuple[frozenset[str], frozenset[str]]:
+    """(every key path, every path holding a mapping) of verl's config without overrides."""
+    from omegaconf import DictConfig, ListConfig
+
+    leaves: set[str] = set()
+    nodes: set[str] = {""}
+
+    def walk(node: Any, prefix: str) -> None:
+        if isinstance(node, DictConfig):
+            nodes.add(prefix)
+            for key in node:
+                path = f"{prefix}.{key}" if prefix else str(key)
+                leaves.add(path)
+                walk(node._get_node(key), path)
+        elif isinstance(node, ListConfig):
+            leaves.add(prefix)
+
+    walk(_compose(config_name, []), "")
+    return frozenset(leaves), frozenset(nodes)
+
+
+def nearest_key(key: str, known: frozenset[str], mappings: frozenset[str]) -> str | None:
+    """The closest valid key: fix the first segment below the deepest existing parent, else whole-path match."""
+    parts = key.split(".")
+    depth = max(d for d in range(len(parts)) if ".".join(parts[:d]) in mappings)
+    parent = ".".join(parts[:depth])
+    siblings = {k.rpartition(".")[2]: k for k in known if k.rpartition(".")[0] == parent}
+    match = difflib.get_close_matches(parts[depth], list(siblings), n=1, cutoff=0.6)
+    if match:
+        candidate = ".".join([siblings[match[0]], *parts[depth + 1 :]])
+        if candidate in known:
+            return candidate
+    match = difflib.get_close_matches(key, sorted(known), n=1, cutoff=0.75)
+    return match[0] if match else None
+
+
+def _unknown_key_check(override: str, key: str, known: frozenset[str], mappings: frozenset[str]) -> Check:
+    leaf = key.rsplit(".", 1)[-1]
+    if leaf in REMOVED_KEYS:
+        return Check("config", "removed-key", FAIL, f"{override!r}: {REMOVED_KEYS[leaf]}")
+    guess = nearest_key(key, known, mappings)
+    hint = f"did you mean {guess!r}?" if guess else "no similar key exists in verl's config"
+    return Check(
+        "config",
+        "unknown-key",
+        FAIL,
+        f"{override!r}: verl 0.9.1's config has no key {key!r}; {hint} "
+        f"(to add a key verl does not define, prefix it with '+')",
+    )
+
+
+def _dataclass_fields(relative_path: str, classes: Sequence[str]) -> frozenset[str]:
+    """Field names of megatron-core dataclasses, read from their source file with ``ast``.
+
+    Importing megatron.core costs seconds; preflight has a 5-second budget and runs on laptops.
+    ``find_spec("megatron.core")`` imports only the (empty) ``megatron`` namespace package.
+    """
+    import ast
+
+    spec = importlib.util.find_spec("megatron.core")
+    if spec is None or not spec.submodule_search_locations:
+        raise RuntimeError("megatron-core is not installed: run `bash install.sh --dev`")
+    source = Path(next(iter(spec.submodule_search_locations))) / relative_path
+    tree = ast.parse(source.read_text())
+    fields = set()
+    for node in tree.body:
+        if isinstance(node, ast.ClassDef) and node.name in classes:
+            fields |= {
+                item.target.id
+                for item in node.body
+                if isinstance(item, ast.AnnAssign) and isinstance(item.target, ast.Name)
+            }
+    if not fields:
+        raise RuntimeError(f"{source}: none of {', '.join(classes)} found; megatron-core's layout changed")
+    return frozenset(fields)
+
+
+@cache
+def _transformer_config_fields() -> frozenset[str]:
+    return _dataclass_fields("model_parallel_config.py", ["ModelParallelConfig"]) | _dataclass_fields(
+        "transformer/transformer_config.py", ["TransformerConfig", "MLATransformerConfig"]
+    )
+
+
+@cache
+def _ddp_config_fields() -> frozenset[str]:
+    return _dataclass_fields("distributed/distributed_data_parallel_config.py", ["DistributedDataParallelConfig"])
+
+
+def _check_added_keys(overrides: Sequence[str]) -> list[Check]:
+    """``+...override_transformer_config.X``: X must be a megatron or MindSpeed/verl-npu field."""
+    from verl_npu.engine.build_plan import MINDSPEED_ONLY_KEYS
+
+    checks = []
+    for override in overrides:
+        key = override_key(override)
+        for suffix, fields, what in (
+            (OTC_SUFFIX, lambda: _transformer_config_fields() | set(MINDSPEED_ONLY_KEYS), "TransformerConfig"),
+            (DDP_SUFFIX, _ddp_config_fields, "DistributedDataParallelConfig"),
+        ):
+            if suffix not in key:
+                continue
+            field = key.split(suffix, 1)[1].split(".", 1)[0]
+            valid = fields()
+            if field not in valid:
+                guess = difflib.get_close_matches(field, sorted(valid), n=1, cutoff=0.6)
+                hint = f"did you mean {guess[0]!r}?" if guess else "see megatron-core 0.18's " + what
+                checks.append(
+                    Check(
+                        "config",
+                        "unknown-key",
+                        FAIL,
+                        f"{override!r}: {field!r} is neither a megatron-core {what} field nor a MindSpeed/verl-npu "
+                        f"flag; {hint}",
+                    )
+                )
+    return checks
+
+
+def compose_config(config_name: str | None, overrides: Sequence[str]) -> tuple[Any, list[Check]]:
+    """verl's composed DictConfig (None when it cannot be composed) and the checks that ran."""
+    from hydra.errors import HydraException
+    from omegaconf.errors import OmegaConfBaseException
+
+    name = config_name or DEFAULT_CONFIG_NAME
+    try:
+        known, mappings = _base_keys(name)
+    except (HydraException, OmegaConfBaseException) as exc:
+        return None, [Check("config", "config-name", FAIL, f"--config-name={name}: verl has no such config ({exc})")]
+    checks: list[Check] = []
+    kept: list[str] = []
+    # Every bad key at once: Hydra would stop at the first.
+    for override in overrides:
+        key = override_key(override)
+        if "=" not in override and not override.startswith("~"):
+            checks.append(Check("config", "bad-override", FAIL, f"{override!r}: an override needs KEY=VALUE"))
+        elif override.startswith("+") and not override.startswith("++") and key in known:
+            checks.append(
+                Check("config", "bad-override", FAIL, f"{override!r}: {key!r} exists in verl's config; drop the '+'")
+            )
+        elif not override.startswith("+") and "/" not in key and key not in known:
+            checks.append(_unknown_key_check(override, key, known, mappings))
+        else:
+            kept.append(override)
+    checks += _check_added_keys(kept)
+    for _ in range(len(kept) + 1):
+        try:
+            config = _compose(name, kept)
+            break
+        except (HydraException, OmegaConfBaseException) as exc:
+            message = str(exc).strip()
+            offending = next((m.group(1) for p in _KEY_IN_MESSAGE if (m := p.search(message))), None)
+            index = next((i for i, o in enumerate(kept) if offending and override_key(o) == offending), None)
+            if index is None:
+                checks.append(Check("config", "compose", FAIL, f"verl's config rejected the overrides: {message}"))
+                return None, checks
+            checks.append(Check("config", "bad-override", FAIL, f"{kept.pop(index)!r}: {message}"))
+    else:  # pragma: no cover - the loop drops one override per failure, so it always ends
+        return None, checks
+    failed = any(c.status == FAIL for c in checks)
+    if not failed:
+        checks.append(Check("config", "compose", OK, f"{len(overrides)} overrides compose with verl's {name}.yaml"))
+    return config, checks
+
+
+def import_verl_quietly():
+    """Import verl for its validators without loading plugins or external modules into preflight."""
+    saved = {k: os.environ.get(k) for k in ("VERL_USE_EXTERNAL_MODULES", "VERL_USE_EXTERNAL_PLUGINS")}
+    os.environ["VERL_USE_EXTERNAL_MODULES"] = ""
+    os.environ["VERL_USE_EXTERNAL_PLUGINS"] = "none"
+    try:
+        import verl  # noqa: F401
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+
+
+def needs_reference_policy(config: Any) -> bool:
+    """verl.trainer.ppo.utils.need_reference_policy, without importing that module (1.5 s of imports)."""
+    return bool(config.algorithm.get("use_kl_in_reward", False) or config.actor_rollout_ref.actor.use_kl_loss)
+
+
+def needs_critic(config: Any) -> bool:
+    """verl.trainer.ppo.utils.need_critic (a critic only for GAE unless critic.enable says otherwise)."""
+    if config.critic.get("enable") is not None:
+        return bool(config.critic.enable)
+    return config.algorithm.adv_estimator == "gae"
+
+
+def validate_with_verl(config: Any) -> list[Check]:
+    """verl's own validation: ``validate_config`` plus the role dataclasses' ``__post_init__`` checks."""
+    import contextlib
+    import io
+
+    from hydra.errors import HydraException
+    from omegaconf import OmegaConf
+    from omegaconf.errors import OmegaConfBaseException
+
+    import_verl_quietly()
+    from verl.utils.config import omega_conf_to_dataclass, validate_config
+
+    checks = []
+    try:
+        OmegaConf.to_container(config, resolve=True)
+    except OmegaConfBaseException as exc:
+        return [Check("config", "interpolation", FAIL, f"a value does not resolve: {exc}")]
+    use_ref, use_critic = needs_reference_policy(config), needs_critic(config)
+    steps: list[tuple[str, Any]] = [
+        ("verl validate_config", lambda: validate_config(config, use_reference_policy=use_ref, use_critic=use_critic)),
+        ("actor_rollout_ref.rollout", lambda: omega_conf_to_dataclass(config.actor_rollout_ref.rollout)),
+    ]
+    if use_ref:
+        steps.append(("actor_rollout_ref.ref", lambda: omega_conf_to_dataclass(config.actor_rollout_ref.ref)))
+    if use_critic:
+        steps.append(("critic", lambda: omega_conf_to_dataclass(config.critic)))
+    for name, run in steps:
+        try:
+            # validate_config prints a banner and verl warns about defaults; the report says what matters
+            with contextlib.redirect_stdout(io.StringIO()), warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                run()
+        except (AssertionError, ValueError, TypeError, KeyError, HydraException, OmegaConfBaseException) as exc:
+            text = str(exc).strip() or type(exc).__name__
+            checks.append(Check("config", "verl-validation", FAIL, f"{name}: {text}"))
+        except OSError as exc:  # e.g. the model path is not on this machine
+            checks.append(Check("config", "verl-validation", WARN, f"{name}: not checked here ({exc})"))
+    if not checks:
+        checks.append(Check("config", "verl-validation", OK, "verl's validate_config and config dataclasses accept it"))
+    return checks
+
+
+def engine_plans(config: Mapping[str, Any], hf_config: Any, platform: str = "ascend") -> list[Check]:
+    """The engine's build plan for each Megatron role (resolved config), the call the engine makes at build time."""
+    from verl_npu.engine.build_plan import BuildPlanError, build_plan
+
+    arr = config["actor_rollout_ref"]
+    roles = {"actor": (arr["actor"]["megatron"], arr["actor"].get("optim") or {})}
+    if (arr.get("ref") or {}).get("megatron"):
+        roles["ref"] = (arr["ref"]["megatron"], {})  # the reference model has no optimizer
+    critic = config.get("critic") or {}
+    if critic.get("enable") and critic.get("megatron"):
+        roles["critic"] = (critic["megatron"], critic.get("optim") or {})
+    checks = []
+    for role, (engine, optim) in roles.items():
+        try:
+            plan = build_plan(engine, optim, hf_config, platform)
+        except BuildPlanError as exc:
+            checks.append(Check("engine", f"{role}-build-plan", FAIL, f"{role}: {exc}"))
+            continue
+        features = ", ".join(plan.features) or "no verl-npu features"
+        checks.append(Check("engine", f"{role}-build-plan", OK, f"{role} on {platform}: {features}"))
+    checks += model_bridge_checks(hf_config)
+    return checks
+
+
+def model_bridge_checks(hf_config: Mapping[str, Any]) -> list[Check]:
+    """Whether the engine's mbridge bridge can build this model (GLM-5's mapping; others: mbridge's own)."""
+    import types
+
+    from verl_npu.engine.glm5_config import MODEL_TYPE, glm5_config_fields
+
+    if hf_config.get("model_type") != MODEL_TYPE:
+        return []
+    try:
+        glm5_config_fields(types.SimpleNamespace(**hf_config))
+    except (NotImplementedError, ValueError) as exc:
+        return [Check("engine", "model-bridge", FAIL, f"the model cannot be built: {exc}")]
+    return [Check("engine", "model-bridge", OK, f"{MODEL_TYPE}: verl-npu's GLM-5 bridge maps this config")]
+
+
+def as_mapping(config: Any) -> Mapping[str, Any]:
+    from omegaconf import OmegaConf
+
+    return OmegaConf.to_container(config, resolve=True)

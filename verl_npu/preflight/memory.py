@@ -1,0 +1,478 @@
+"""Per-device (HBM) and per-node (host RAM) memory of a megatron training launch in verl, before it queues.
+
+``estimate(shape, parallelism, precision, activations, offload, capacity_bytes=...)`` gives, for every
+pipeline stage, the bytes on one device by component in two colocated phases, and the host RAM the
+offload arenas take on the worst node. Pure arithmetic: no torch, no devices.
+
+Assumptions (each one a reading of megatron-core 0.18 / verl 0.9.1 / verl_npu, or a stated choice):
+  * Static state per device. Dense matmul weights, embedding and output layer are split over TP;
+    norms, router, DSA indexer and (TE spec) MLA down projections are replicated; routed experts
+    over EP x ETP. Weights in ``params_dtype``; DDP gradient buffer in fp32 when
+    grad_reduce_in_fp32 (verl's default), else the precision-aware ``main_grads_dtype`` or the
+    params dtype. Bucket padding (64-element starts, lcm(dp, 128) ends) is ignored (< 0.1%).
+  * Distributed optimizer: main params and moments are sharded over the data-parallel-with-context
+    group (dp x cp) for dense params and over expert-DP = world / (pp x ep x etp) for experts. Main
+    params are an fp32 clone of bf16 params (none for fp32 params). Precision-aware optimizer (TE
+    FusedAdam): main params held by the optimizer as int16 remainders (store_param_remainders, bf16
+    params, fp32 main_params_dtype) or in main_params_dtype; moments in exp_avg(_sq)_dtype. Without
+    the distributed optimizer nothing is sharded.
+  * Activations: what autograd saves in megatron's local-spec modules, tensor by tensor, with fused
+    norms (a norm saves its input and fp32 1/rms, as npu_rms_norm and TE do), unfused SwiGLU (fc1
+    output, silu output, the ``x_linear + glu_linear_offset`` copy and the fc2 input), RoPE, no
+    bias. ``attention_kernel="unfused"``: megatron's DotProductAttention saves the fp32 softmax
+    output and its bf16 copy ([b, heads/tp, s, s]) and the [s, s] causal mask per layer; forward
+    holds the bf16 scores and an fp32 working copy besides, backward an fp32 gradient, the input
+    gradient and softmax backward's same-size workspace (seen on CUDA); a [b*heads/tp, s, s] bf16
+    buffer persists (megatron's global memory buffer: "workspace"). ``"flash"`` (Ascend
+    npu_fusion_attention, fused DSA): q, k, v, output and softmax statistics only (DSA: the
+    O(s * index_topk) indices; its unfused reference adds [b, s, s] index scores). MoE: balanced
+    routing, s*b*topk*etp/sp token copies per rank's experts. Sequence parallel divides what norms
+    and linears save by TP; CP divides s. bench/memory_estimate.py checks all this against
+    megatron-core on a GPU (bench/results/memory_estimate_h200.json).
+  * Pipeline 1F1B: stage i holds min(pp - i, num_microbatches) micro-batches in flight (interleaved
+    VPP multiplies by 1 + (pp-1)/(pp*vpp)); the last stage also holds the vocab-parallel cross
+    entropy's fp32 softmax [s, b, vocab/tp] and, at the loss, the bf16 logits. Full recompute keeps
+    one input per checkpointed chunk and re-materialises one chunk at a time in backward; selective
+    recompute (core_attn) drops the attention scores.
+  * Phases (verl colocates the actor with the rollout engine): "train" = weights + grads + optimizer
+    + activations + workspace + overhead, all resident (verl onloads everything for the update);
+    "rollout" = what stays on the device while the actor is offloaded (param_offload moves the bf16
+    params to the host and releases the grad buffer; optimizer_offload moves main params and moments)
+    + gpu_memory_utilization x capacity that vLLM reserves. vLLM's KV cache and weights are assumed
+    released (sleep mode) during training. ``fits`` needs both phases within capacity.
+  * Host RAM: verl_npu's OffloadManager keeps one exact-size pinned arena per kind, so host bytes per
+    device = offloaded bytes (grads are released, not copied). Ranks are laid out megatron's default
+    "tp-cp-ep-dp-pp" (pp outermost): rank r is in stage r // (world / pp); a node holds
+    devices_per_node consecutive ranks, and the worst node is reported.
+  * ``overhead_bytes`` (default 2 GiB) stands for the runtime's own allocations: communication
+    buffers, kernel workspaces, allocator fragmentation. It is a knob, not a measurement.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from verl_npu.preflight.model_shape import ModelShape
+
+GiB = 2**30
+DTYPE_BYTES = {"fp32": 4, "float32": 4, "bf16": 2, "bfloat16": 2, "fp16": 2, "float16": 2, "fp8": 1, "int16": 2}
+
+
+def _bytes(dtype: str) -> int:
+    try:
+        return DTYPE_BYTES[dtype]
+    except KeyError:
+        raise ValueError(f"unknown dtype {dtype!r}; known: {', '.join(DTYPE_BYTES)}") from None
+
+
+@dataclasses.dataclass(frozen=True)
+class Parallelism:
+    tp: int = 1
+    pp: int = 1
+    cp: int = 1
+    ep: int = 1
+    etp: int = 1
+    world_size: int | None = None  # None: tp * pp * cp (one data-parallel replica)
+    sequence_parallel: bool = False
+    vpp: int | None = None
+    num_layers_in_first_pipeline_stage: int | None = None
+    num_layers_in_last_pipeline_stage: int | None = None
+    devices_per_node: int = 16
+    mla_down_proj_duplicated: bool = True  # TE spec: MLA q/kv down projections are not TP-split
+
+    def __post_init__(self):
+        world = self.world
+        if world % (self.tp * self.pp * self.cp) or world % (self.pp * self.ep * self.etp):
+            raise ValueError(f"world size {world} is not divisible by tp*pp*cp and by pp*ep*etp")
+
+    @property
+    def world(self) -> int:
+        return self.world_size or self.tp * self.pp * self.cp
+
+    @property
+    def dp(self) -> int:
+        return self.world // (self.tp * self.pp * self.cp)
+
+    @property
+    def edp(self) -> int:
+        """Expert data parallel size: world / (pp * ep * etp)."""
+        return self.world // (self.pp * self.ep * self.etp)
+
+    def layers_per_stage(self, num_layers: int) -> list[int]:
+        first, last = self.num_layers_in_first_pipeline_stage, self.num_layers_in_last_pipeline_stage
+        if self.pp == 1:
+            return [num_layers]
+        ends = [n for n in (first, last) if n is not None]
+        middle = self.pp - len(ends)
+        rest = num_layers - sum(ends)
+        if rest < 0 or (middle and rest % middle) or (not middle and rest):
+            raise ValueError(f"{num_layers} layers do not split over pp={self.pp} (first={first}, last={last})")
+        each = rest // middle if middle else 0
+        stages = [each] * self.pp
+        if first is not None:
+            stages[0] = first
+        if last is not None:
+            stages[-1] = last
+        return stages
+
+    def stage_of_rank(self, rank: int) -> int:
+        """Megatron's default rank order "tp-cp-ep-dp-pp": pp is outermost."""
+        return rank // (self.world // self.pp)
+
+    def node_ranks(self) -> list[range]:
+        """The global ranks of each node (devices_per_node consecutive ranks)."""
+        per_node = self.devices_per_node
+        return [range(n, min(n + per_node, self.world)) for n in range(0, self.world, per_node)]
+
+    def node_stages(self) -> list[tuple[int, ...]]:
+        """The pipeline stages whose ranks each node holds."""
+        return [tuple(sorted({self.stage_of_rank(r) for r in ranks})) for ranks in self.node_ranks()]
+
+
+@dataclasses.dataclass(frozen=True)
+class Precision:
+    params_dtype: str = "bf16"
+    grad_reduce_in_fp32: bool = True  # verl's DDP default
+    use_distributed_optimizer: bool = True
+    optimizer: str = "adam"
+    use_precision_aware_optimizer: bool = False
+    main_params_dtype: str = "fp32"
+    main_grads_dtype: str = "fp32"
+    exp_avg_dtype: str = "fp32"
+    exp_avg_sq_dtype: str = "fp32"
+    store_param_remainders: bool = True  # megatron's default (TE >= 2.1)
+
+    @property
+    def grad_dtype(self) -> str:
+        if self.use_precision_aware_optimizer:
+            return self.main_grads_dtype  # verl keeps the DDP buffer dtype equal to main_grads_dtype
+        return "fp32" if self.grad_reduce_in_fp32 else self.params_dtype
+
+    def optimizer_bytes_per_param(self) -> dict[str, tuple[str, int]]:
+        """Optimizer tensors per parameter: name -> (dtype, bytes)."""
+        if self.optimizer not in ("adam", "sgd"):
+            raise ValueError(f"optimizer {self.optimizer!r}: only adam and sgd are modelled")
+        pa = self.use_precision_aware_optimizer
+        if pa and self.store_param_remainders and self.params_dtype in ("bf16", "bfloat16"):
+            main = "int16" if self.main_params_dtype in ("fp32", "float32") else self.main_params_dtype
+        elif pa:
+            main = self.main_params_dtype
+        else:
+            main = "fp32" if _bytes(self.params_dtype) < 4 else None  # fp32 params are their own main params
+        out = {"main_params": (main, _bytes(main))} if main else {}
+        if self.optimizer == "sgd":
+            return out | {"momentum": ("fp32", 4)}
+        for name, dtype in (("exp_avg", self.exp_avg_dtype), ("exp_avg_sq", self.exp_avg_sq_dtype)):
+            out[name] = (dtype if pa else "fp32", _bytes(dtype if pa else "fp32"))
+        return out
+
+
+@dataclasses.dataclass(frozen=True)
+class Activations:
+    micro_batch_size: int = 1
+    seq_len: int = 4096  # tokens per micro-batch sequence
+    num_microbatches: int | None = None  # None: enough to fill the pipeline (>= pp)
+    recompute_granularity: str | None = None  # None, "selective" (core attention) or "full"
+    recompute_method: str | None = None  # "uniform" or "block" (full recompute)
+    recompute_num_layers: int | None = None
+    attention_kernel: str = "flash"  # "flash" (fused, no s^2 buffers) or "unfused" (megatron local)
+    attention_dropout: float = 0.0
+    hidden_dropout: float = 0.0
+
+
+@dataclasses.dataclass(frozen=True)
+class Offload:
+    param_offload: bool = False  # bf16 params to host, grad buffer released, while the rollout runs
+    optimizer_offload: bool = False  # main params + moments to host
+
+
+@dataclasses.dataclass(frozen=True)
+class StageEstimate:
+    stage: int
+    layers: int
+    moe_layers: int
+    params: int  # parameters held by one device of this stage
+    train: dict[str, int]  # bytes on the device during the training step, by component
+    floor: dict[str, int]  # bytes left on the device while the actor is offloaded
+    host_bytes: int  # host RAM the offload arenas take for one device of this stage
+    details: dict[str, str]
+
+    @property
+    def train_bytes(self) -> int:
+        return sum(self.train.values())
+
+    @property
+    def floor_bytes(self) -> int:
+        return sum(self.floor.values())
+
+
+@dataclasses.dataclass(frozen=True)
+class MemoryEstimate:
+    stages: tuple[StageEstimate, ...]
+    capacity_bytes: int | None
+    rollout_reserved_bytes: int  # gpu_memory_utilization x capacity (0 without a colocated rollout)
+    host_bytes_per_node: int  # worst node
+    worst_node: int
+    worst_node_stages: tuple[int, ...]
+    host_capacity_bytes: int | None = None
+
+    def rollout_bytes(self, stage: StageEstimate) -> int:
+        return stage.floor_bytes + self.rollout_reserved_bytes
+
+    def headroom(self, stage: StageEstimate) -> dict[str, int | None]:
+        if self.capacity_bytes is None:
+            return {"train": None, "rollout": None}
+        return {
+            "train": self.capacity_bytes - stage.train_bytes,
+            "rollout": self.capacity_bytes - self.rollout_bytes(stage) if self.rollout_reserved_bytes else None,
+        }
+
+    @property
+    def fits(self) -> bool | None:
+        if self.capacity_bytes is None:
+            return None
+        device = all(v is None or v >= 0 for s in self.stages for v in self.headroom(s).values())
+        host = self.host_capacity_bytes is None or self.host_bytes_per_node <= self.host_capacity_bytes
+        return device and host
+
+    def to_dict(self) -> dict:
+        return {
+            "capacity_bytes": self.capacity_bytes,
+            "rollout_reserved_bytes": self.rollout_reserved_bytes,
+            "host_bytes_per_node": self.host_bytes_per_node,
+            "worst_node": self.worst_node,
+            "worst_node_stages": list(self.worst_node_stages),
+            "host_capacity_bytes": self.host_capacity_bytes,
+            "fits": self.fits,
+            "stages": [
+                {**dataclasses.asdict(s), "train_bytes": s.train_bytes, "floor_bytes": s.floor_bytes,
+                 "headroom": self.headroom(s)}
+                for s in self.stages
+            ],
+        }  # fmt: skip
+
+    def summary(self) -> str:
+        gib = lambda n: f"{n / GiB:7.2f}"  # noqa: E731
+        lines = ["stage layers  weights   grads   optim    acts  wkspace overhead |  train   floor  GiB"]
+        for s in self.stages:
+            t = s.train
+            lines.append(
+                f"{s.stage:5} {s.layers:6} {gib(t['weights'])} {gib(t['grads'])} {gib(t['optimizer'])} "
+                f"{gib(t['activations'])} {gib(t['workspace'])} {gib(t['overhead'])} | "
+                f"{gib(s.train_bytes)} {gib(s.floor_bytes)}"
+            )
+        lines.append(f"host RAM, worst node {self.worst_node} (stages {list(self.worst_node_stages)}): "
+                     f"{self.host_bytes_per_node / GiB:.1f} GiB; fits: {self.fits}")  # fmt: skip
+        return "\n".join(lines)
+
+
+# --- activations ---------------------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class _Sizes:
+    s: int  # tokens of one sequence on this rank (seq_len / cp)
+    b: int
+    t: int  # tensor parallel size
+    sp: int  # t with sequence parallel, else 1
+    etp: int
+    down: int = 1  # TP split of the MLA down projections' outputs (1: duplicated)
+
+
+def _attention(m: ModelShape, z: _Sizes, act: Activations) -> tuple[float, float, float]:
+    """(saved, transient, persistent workspace) bytes of one attention block, one micro-batch.
+
+    The transient is the most the block holds above what it saves, in its forward or its backward.
+    """
+    s, b, t, sp, h = z.s, z.b, z.t, z.sp, m.hidden_size
+    tokens, a, unfused = s * b, m.num_attention_heads / t, act.attention_kernel == "unfused"
+    saved = (2 * h + 4 + 2 * h) / sp * tokens  # input norm (input, fp32 rstd) + its output (projections' input)
+    if m.mla:
+        ql, kvl, rope, down = m.q_lora_rank or 0, m.kv_lora_rank, m.qk_rope_head_dim, z.down
+        qk, v = m.qk_nope_head_dim + rope, m.v_head_dim
+        saved += (2 * 2 * ql + 4) * tokens / down  # q norm (input, rstd) + q up projection input
+        saved += (2 * (kvl + rope) + 2 * kvl + 4) * tokens / down  # kv down output (norm input) + kv up input
+        saved += 2 * a * (qk + qk + v) * tokens  # q, k (RoPE'd), v
+        if m.dsa:
+            n, di = m.index_n_heads, m.index_head_dim
+            saved += (2 * n * di + 2 * 2 * di + 4 + 2 * n) * tokens  # indexer q, k (+ LayerNorm), head weights
+            saved += 8 * b * s * min(m.index_topk, s)  # top-k indices (int64)
+        transient = 0.0
+    else:
+        d, g = m.head_dim, m.num_query_groups / t
+        qkv_out, q = 2 * (a + 2 * g) * d * tokens, 2 * a * d * tokens
+        kept = m.qk_layernorm or (unfused and g == a)  # the qkv output stays alive through views
+        if m.qk_layernorm:
+            saved += q + 4 * (a + g) * tokens  # q norm input (a reshaped copy) + fp32 rstd of both norms
+        saved += qkv_out * kept + q  # q after RoPE
+        if unfused:
+            saved += 2 * q if g < a else q  # key and value repeated to every head (g == a: key only)
+        elif not kept:
+            saved += 2 * 2 * g * d * tokens  # key, value
+        transient = (0 if kept else qkv_out) + (0 if m.qk_layernorm else q)
+    saved += 8 * s * m.qk_rope_head_dim if m.mla else 8 * s * m.head_dim  # RoPE cos / sin in bf16, for q and k
+    v_dim = m.v_head_dim if m.mla else m.head_dim
+    saved += 2 * a * v_dim * tokens  # attention output (output projection input)
+    scores = b * a * s * s
+    if not unfused:
+        return saved + 64 * a * tokens, transient, 0  # + softmax max / sum ([b, n, s, 8] fp32 each on Ascend)
+    drop = act.attention_dropout > 0
+    probs = (4 + 2 + 3 * drop) * scores + s * s  # fp32 softmax, bf16 probs (+ mask, dropped probs), causal mask
+    if m.dsa:
+        probs += 4 * b * s * s  # reference indexer: [b, s, s] index scores
+        transient += 4 * m.index_n_heads * b * s * s  # index scores per indexer head
+    # forward: the bf16 scores and their fp32 working copy next to the probs; backward (measured on CUDA): fp32
+    # softmax output, its fp32 gradient, the input gradient and softmax backward's workspace of the same size
+    backward = 16 * scores + s * s
+    if act.recompute_granularity == "selective":  # core attention recomputed: probs live only transiently
+        return saved, max(transient + probs + 6 * scores, backward), 2 * scores
+    return saved + probs, max(transient + 6 * scores, backward - probs), 2 * scores
+
+
+def _mlp(m: ModelShape, z: _Sizes, moe: bool) -> float:
+    """Saved bytes of one MLP / MoE block (its norm included), one micro-batch."""
+    s, b, t, sp, h = z.s, z.b, z.t, z.sp, m.hidden_size
+    tokens = s * b
+    saved = (2 * h + 4 + 2 * h) / sp * tokens  # pre-MLP norm (input, rstd) + its output (fc1 / router input)
+    ffn = 10 if m.gated_linear_unit else 4  # gated: fc1 output (2f), silu output, x_linear copy, fc2 input
+    if not moe:
+        return saved + ffn * m.ffn_hidden_size / t * tokens
+    routed = tokens * m.router_topk * z.etp / sp  # token copies entering this rank's experts (balanced routing)
+    saved += (2 * m.num_experts + 12 * m.router_topk + 2 * h) * tokens / sp  # routing map, top-k, probs, output
+    saved += (2 * h + 2) * routed  # permuted tokens and their probs
+    saved += (ffn + 2) * m.moe_ffn_hidden_size / z.etp * routed  # + the probs-weighted activation
+    return saved + ffn * m.shared_expert_ffn_hidden_size / t * tokens
+
+
+def _activation_bytes(m, p: Parallelism, act: Activations, stage: int, layers: list[int]) -> tuple[int, int, str]:
+    """(peak activation bytes, persistent workspace bytes, details) of one pipeline stage."""
+    z = _Sizes(
+        s=act.seq_len // p.cp, b=act.micro_batch_size, t=p.tp, sp=p.tp if p.sequence_parallel else 1, etp=p.etp,
+        down=1 if p.mla_down_proj_duplicated else p.tp,
+    )  # fmt: skip
+    tokens, h = z.s * z.b, m.hidden_size
+    attn, transient, workspace = _attention(m, z, act) if layers else (0, 0, 0)
+    masks = 2 * h / z.sp * tokens if act.hidden_dropout > 0 else 0  # bias-dropout-add masks (bool), two a layer
+    full = [attn + masks + _mlp(m, z, bool(m.is_moe) and m.is_moe[i]) for i in layers]
+    last = stage == p.pp - 1
+    head = ((2 * h + 4 + 2 * h) / z.sp + 4 * m.vocab_size / z.t) * tokens if last else 0  # norm, fp32 softmax
+    logits = 2 * m.vocab_size / z.t * tokens if last else 0  # bf16 logits, alive next to the fp32 copy
+    # the current micro-batch: peaks at its last attention forward, at the loss, or re-materialising a chunk
+    n = act.recompute_num_layers or 1
+    if act.recompute_granularity == "full" and act.recompute_method == "block":
+        kept = n * 2 * h / z.sp * tokens + sum(full[n:])
+        chunks = [[x] for x in full[:n]]
+    elif act.recompute_granularity == "full":
+        chunks = [full[i : i + n] for i in range(0, len(full), n)]
+        kept = len(chunks) * 2 * h / z.sp * tokens
+    else:
+        kept, chunks = sum(full), [full]
+    # a chunk being (re)computed holds its layers' activations up to its last attention, plus that one's transient
+    forward = max((sum(c) - c[-1] + attn + transient for c in chunks if c), default=0)
+    if act.recompute_granularity == "full":  # backward re-materialises a whole chunk next to the checkpoints
+        grads = 2 * 2 * h / z.sp * tokens  # the chunk's output gradient and its input gradient
+        current = max(kept + head + logits, kept + max(forward, max(map(sum, chunks), default=0) + grads))
+    else:
+        current = max(kept + head + logits, forward)
+    saved = kept + head
+    inflight = min(p.pp - stage, act.num_microbatches or p.pp)
+    factor = 1 + (p.pp - 1) / (p.pp * p.vpp) if p.vpp and p.vpp > 1 else 1
+    peak = ((inflight - 1) * saved + current) * factor
+    details = (
+        f"{inflight} micro-batch(es) in flight, {saved / GiB:.3f} GiB saved each, {current / GiB:.3f} GiB at the"
+        f" current one's peak" + (f", x {factor:.3f} (interleaved)" if factor != 1 else "")
+    )
+    return int(peak), int(workspace), details
+
+
+# --- the estimate --------------------------------------------------------------------------------
+def estimate(
+    shape: ModelShape,
+    parallelism: Parallelism | None = None,
+    precision: Precision | None = None,
+    activations: Activations | None = None,
+    offload: Offload | None = None,
+    *,
+    capacity_bytes: int | None = None,
+    rollout_gpu_memory_utilization: float | None = None,
+    overhead_bytes: int = 2 * GiB,
+    host_capacity_bytes: int | None = None,
+) -> MemoryEstimate:
+    p, prec = parallelism or Parallelism(), precision or Precision()
+    act, off = activations or Activations(), offload or Offload()
+    if act.attention_kernel not in ("flash", "unfused"):
+        raise ValueError(f"attention_kernel {act.attention_kernel!r}: use 'flash' or 'unfused'")
+    if act.recompute_granularity not in (None, "selective", "full"):
+        raise ValueError(f"recompute_granularity {act.recompute_granularity!r}: use None, 'selective' or 'full'")
+    if shape.num_experts and shape.num_experts % p.ep:
+        raise ValueError(f"{shape.num_experts} experts do not divide over ep={p.ep}")
+    counts = p.layers_per_stage(shape.num_layers)
+    optim = prec.optimizer_bytes_per_param()
+    w_bytes, g_bytes = _bytes(prec.params_dtype), _bytes(prec.grad_dtype)
+    dense_shard = p.dp * p.cp if prec.use_distributed_optimizer else 1
+    expert_shard = p.edp if prec.use_distributed_optimizer else 1
+    stages, start = [], 0
+    for stage, n in enumerate(counts):
+        layers = list(range(start, start + n))
+        start += n
+        dense = expert = 0
+        for i in layers:
+            lp = shape.layer_params(i)
+            down = 0
+            if shape.mla and not p.mla_down_proj_duplicated:  # local spec: down projections TP-split
+                down = shape.hidden_size * ((shape.q_lora_rank or 0) + shape.kv_lora_rank + shape.qk_rope_head_dim)
+            dense += (lp.tp + down) / p.tp + lp.replicated - down
+            expert += lp.expert / (p.ep * p.etp)
+        if stage == 0:
+            dense += shape.embedding_params() / p.tp
+        if stage == p.pp - 1:
+            dense += shape.hidden_size  # final norm
+            output = shape.output_params() or (shape.embedding_params() if p.pp > 1 else 0)
+            dense += output / p.tp
+        dense, expert = int(dense), int(expert)
+        params = dense + expert
+        opt_bytes = sum(nb for _, nb in optim.values())
+        optimizer = int(dense * opt_bytes / dense_shard + expert * opt_bytes / expert_shard)
+        acts, workspace, act_details = _activation_bytes(shape, p, act, stage, layers)
+        train = {
+            "weights": params * w_bytes,
+            "grads": params * g_bytes,
+            "optimizer": optimizer,
+            "activations": acts,
+            "workspace": workspace,
+            "overhead": overhead_bytes,
+        }
+        floor = {
+            "weights": 0 if off.param_offload else train["weights"],
+            "grads": 0 if off.param_offload else train["grads"],
+            "optimizer": 0 if off.optimizer_offload else optimizer,
+            "activations": 0,
+            "workspace": workspace,
+            "overhead": overhead_bytes,
+        }
+        host = train["weights"] * off.param_offload + optimizer * off.optimizer_offload
+        shard = (
+            f"dense over dp*cp={dense_shard}, experts over expert-dp={expert_shard}"
+            if prec.use_distributed_optimizer
+            else "not sharded (no distributed optimizer)"
+        )
+        details = {
+            "weights": f"{dense:,} dense + {expert:,} expert params in {prec.params_dtype}",
+            "grads": f"DDP grad buffer in {prec.grad_dtype}" + (", released while offloaded" * off.param_offload),
+            "optimizer": ", ".join(f"{k} {dt}" for k, (dt, _) in optim.items()) + f"; {shard}",
+            "activations": act_details,
+            "workspace": "unfused attention's global memory buffer" if workspace else "none",
+            "overhead": "assumed: communication buffers, workspaces, fragmentation",
+        }
+        moe_layers = sum(1 for i in layers if shape.is_moe and shape.is_moe[i])
+        stages.append(StageEstimate(stage, n, moe_layers, params, train, floor, host, details))
+    per_node = [sum(stages[p.stage_of_rank(r)].host_bytes for r in ranks) for ranks in p.node_ranks()]
+    worst = max(range(len(per_node)), key=per_node.__getitem__)
+    reserved = int((rollout_gpu_memory_utilization or 0) * (capacity_bytes or 0))
+    return MemoryEstimate(
+        stages=tuple(stages),
+        capacity_bytes=capacity_bytes,
+        rollout_reserved_bytes=reserved,
+        host_bytes_per_node=per_node[worst],
+        worst_node=worst,
+        worst_node_stages=p.node_stages()[worst],
+        host_capacity_bytes=host_capacity_bytes,
+    )

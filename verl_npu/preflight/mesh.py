@@ -1,0 +1,271 @@
+"""Device-mesh checks for every role of a verl Megatron launch; each failure names the numbers involved.
+
+verl only finds most of these at worker start-up (after the job has waited in the queue), and
+megatron reports some as a bare assertion on one rank. The rules are megatron-core 0.18's
+(parallel_state.initialize_model_parallel, the pipeline layer split, TransformerConfig's
+sequence-parallel rule) and verl 0.9.1's (batch normalisation per data-parallel rank, vLLM's
+expert-parallel size, the THD padding in verl.models.mcore.util).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from typing import Any
+
+from verl_npu.preflight.checks import FAIL, OK, WARN, Check
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainMesh:
+    role: str
+    world: int
+    tp: int
+    pp: int
+    cp: int
+    ep: int
+    etp: int
+    sequence_parallel: bool
+    first_stage_layers: int | None
+    last_stage_layers: int | None
+    vpp: int | None
+
+    @property
+    def dp(self) -> int:
+        return self.world // (self.tp * self.pp * self.cp)
+
+    @property
+    def expert_dp(self) -> int:
+        return self.world // (self.pp * self.ep * self.etp)
+
+    def stage_layers(self, num_layers: int) -> list[int]:
+        """Layers per pipeline stage, megatron's split with the first/last-stage overrides."""
+        first, last, pp = self.first_stage_layers, self.last_stage_layers, self.pp
+        if pp == 1:
+            return [num_layers]
+        middle_stages = pp - (first is not None) - (last is not None)
+        rest = num_layers - (first or 0) - (last or 0)
+        each = rest // middle_stages if middle_stages else 0
+        return [first if first is not None else each, *[each] * (pp - 2), last if last is not None else each]
+
+
+def _int(section: Mapping[str, Any], key: str, default: int = 1) -> int:
+    value = section.get(key)
+    return default if value is None else int(value)
+
+
+def train_mesh(role: str, section: Mapping[str, Any], world: int) -> TrainMesh:
+    mcore = section["megatron"]
+    otc = mcore.get("override_transformer_config") or {}
+    return TrainMesh(
+        role=role,
+        world=world,
+        tp=_int(mcore, "tensor_model_parallel_size"),
+        pp=_int(mcore, "pipeline_model_parallel_size"),
+        cp=_int(mcore, "context_parallel_size"),
+        ep=_int(mcore, "expert_model_parallel_size"),
+        etp=_int(mcore, "expert_tensor_parallel_size", _int(mcore, "tensor_model_parallel_size")),
+        sequence_parallel=bool(mcore.get("sequence_parallel")),
+        first_stage_layers=otc.get("num_layers_in_first_pipeline_stage"),
+        last_stage_layers=otc.get("num_layers_in_last_pipeline_stage"),
+        vpp=mcore.get("virtual_pipeline_model_parallel_size"),
+    )
+
+
+def check_train_mesh(mesh: TrainMesh, num_layers: int, num_experts: int) -> list[Check]:
+    r, fails = mesh.role, []
+
+    def fail(name: str, message: str) -> None:
+        fails.append(Check("mesh", f"{r}-{name}", FAIL, f"{r}: {message}"))
+
+    model_parallel = mesh.tp * mesh.pp * mesh.cp
+    if mesh.world % model_parallel:
+        fail(
+            "dp",
+            f"world size {mesh.world} is not divisible by TP {mesh.tp} x PP {mesh.pp} x CP {mesh.cp} = "
+            f"{model_parallel}",
+        )
+    expert_parallel = mesh.pp * mesh.ep * mesh.etp
+    if mesh.world % expert_parallel:
+        fail(
+            "ep",
+            f"world size {mesh.world} is not divisible by PP {mesh.pp} x EP {mesh.ep} x ETP {mesh.etp} = "
+            f"{expert_parallel} (the expert-parallel group)",
+        )
+    if num_experts and num_experts % mesh.ep:
+        fail("ep-experts", f"EP {mesh.ep} does not divide the model's {num_experts} routed experts")
+    if not num_experts and mesh.ep > 1:
+        fail("ep-dense", f"EP {mesh.ep} on a dense model (no routed experts); set expert_model_parallel_size=1")
+    if mesh.sequence_parallel and mesh.tp == 1:
+        fail("sp", "sequence_parallel=True needs tensor_model_parallel_size > 1 (TP is 1); drop sequence_parallel")
+    first, last = mesh.first_stage_layers, mesh.last_stage_layers
+    if mesh.pp == 1 and (first is not None or last is not None):
+        fail("pp-layers", "num_layers_in_first/last_pipeline_stage are set but PP is 1")
+    elif mesh.pp > 1:
+        middle = mesh.pp - (first is not None) - (last is not None)
+        rest = num_layers - (first or 0) - (last or 0)
+        split = f"{num_layers} layers"
+        if first is not None or last is not None:
+            split += f" - {first or 0} (first stage) - {last or 0} (last stage) = {rest} over {middle} stages"
+        else:
+            split += f" over PP {mesh.pp}"
+        if rest < 0 or (middle == 0 and rest != 0) or (middle and (rest % middle or rest // middle == 0)):
+            fail("pp-layers", f"{split} do not split evenly; change PP or the first/last-stage layer counts")
+        elif mesh.vpp and (rest // max(middle, 1)) % mesh.vpp:
+            fail("vpp-layers", f"{rest // middle} layers per stage do not divide into VPP {mesh.vpp} chunks")
+    if not fails:
+        stages = mesh.stage_layers(num_layers) if mesh.world % model_parallel == 0 else []
+        return [
+            Check(
+                "mesh",
+                f"{r}-mesh",
+                OK,
+                f"{r}: TP {mesh.tp} x PP {mesh.pp} x CP {mesh.cp} x DP {mesh.dp} = {mesh.world}; EP {mesh.ep} x "
+                f"ETP {mesh.etp} x expert-DP {mesh.expert_dp}; layers per stage {stages}",
+            )
+        ]
+    return fails
+
+
+def check_rollout(rollout: Mapping[str, Any], world: int, num_experts: int) -> list[Check]:
+    tp = _int(rollout, "tensor_model_parallel_size")
+    dp = _int(rollout, "data_parallel_size")
+    pp = _int(rollout, "pipeline_model_parallel_size")
+    ep = _int(rollout, "expert_parallel_size")
+    checks = []
+    replica = tp * dp * pp
+    if world % replica:
+        checks.append(
+            Check(
+                "mesh",
+                "rollout-replica",
+                FAIL,
+                f"rollout: world size {world} is not divisible by TP {tp} x DP {dp} x PP {pp} = {replica}",
+            )
+        )
+    if ep > 1 and ep != tp * dp:
+        checks.append(
+            Check(
+                "mesh",
+                "rollout-ep",
+                FAIL,
+                f"rollout: expert_parallel_size {ep} must equal TP {tp} x DP {dp} = {tp * dp} (vLLM's expert "
+                "parallelism spans the tensor- and data-parallel ranks of a replica)",
+            )
+        )
+    if ep > 1 and num_experts and num_experts % ep:
+        checks.append(
+            Check("mesh", "rollout-ep", FAIL, f"rollout: EP {ep} does not divide the model's {num_experts} experts")
+        )
+    if not checks:
+        replicas = world // replica
+        checks.append(
+            Check("mesh", "rollout-mesh", OK, f"rollout: {replicas} replicas of TP {tp} x DP {dp} x PP {pp}, EP {ep}")
+        )
+    return checks
+
+
+def check_thd_alignment(mesh: TrainMesh, section: Mapping[str, Any], max_sequence: int) -> list[Check]:
+    """verl pads each packed sequence to tp (tp*cp*2 with CP); the token budget must hold the padded max."""
+    mcore = section["megatron"]
+    align = mesh.tp * mesh.cp * 2 if mesh.cp > 1 else mesh.tp
+    padded = -(-max_sequence // align) * align
+    layout = "THD" if mcore.get("use_remove_padding", True) else "BSHD"
+    if section.get("use_dynamic_bsz"):
+        budget = section.get("ppo_max_token_len_per_gpu") or section.get("log_prob_max_token_len_per_gpu")
+        if budget is not None and int(budget) < padded:
+            return [
+                Check(
+                    "mesh",
+                    f"{mesh.role}-thd-alignment",
+                    FAIL,
+                    f"{mesh.role}: a {max_sequence}-token sequence padded to a multiple of {align} "
+                    f"({'tp*cp*2' if mesh.cp > 1 else 'tp'}) is {padded} tokens, more than the per-device token "
+                    f"budget {budget}; raise ppo_max_token_len_per_gpu to >= {padded}",
+                )
+            ]
+    return [
+        Check(
+            "mesh",
+            f"{mesh.role}-thd-alignment",
+            OK,
+            f"{mesh.role}: {layout} sequences padded to multiples of {align}; longest {max_sequence} -> {padded}",
+        )
+    ]
+
+
+def check_batches(config: Mapping[str, Any], mesh: TrainMesh) -> list[Check]:
+    """verl's per-rank batch split: train batch -> mini-batches -> per-DP-rank -> micro-batches."""
+    actor = config["actor_rollout_ref"]["actor"]
+    n = int(config["actor_rollout_ref"]["rollout"].get("n") or 1)
+    train, mini = int(config["data"]["train_batch_size"]), int(actor["ppo_mini_batch_size"])
+    checks = []
+    if train % mini:
+        checks.append(
+            Check(
+                "mesh",
+                "batch-mini",
+                FAIL,
+                f"data.train_batch_size {train} is not divisible by actor.ppo_mini_batch_size {mini}",
+            )
+        )
+    if mesh.world % (mesh.tp * mesh.pp * mesh.cp) == 0 and (mini * n) % mesh.dp:
+        checks.append(
+            Check(
+                "mesh",
+                "batch-dp",
+                FAIL,
+                f"ppo_mini_batch_size {mini} x rollout.n {n} = {mini * n} samples per mini-batch do not split over "
+                f"{mesh.dp} data-parallel ranks",
+            )
+        )
+    elif not actor.get("use_dynamic_bsz"):
+        micro = actor.get("ppo_micro_batch_size_per_gpu")
+        per_rank = mini * n // max(mesh.dp, 1)
+        if micro and per_rank % int(micro):
+            checks.append(
+                Check(
+                    "mesh",
+                    "batch-micro",
+                    FAIL,
+                    f"{per_rank} samples per data-parallel rank per mini-batch (mini {mini} x n {n} / DP {mesh.dp}) "
+                    f"are not divisible by ppo_micro_batch_size_per_gpu {micro}",
+                )
+            )
+    if not checks:
+        per_rank = mini * n // max(mesh.dp, 1)
+        checks.append(
+            Check(
+                "mesh",
+                "batch",
+                OK,
+                f"{train // mini} mini-batches per step, {per_rank} samples per data-parallel rank per mini-batch",
+            )
+        )
+    return checks
+
+
+def check_mesh(config: Mapping[str, Any], num_layers: int, num_experts: int) -> tuple[list[Check], TrainMesh]:
+    """All mesh checks; returns them and the actor's mesh (the memory estimate uses it)."""
+    trainer = config["trainer"]
+    world = int(trainer["nnodes"]) * int(trainer["n_gpus_per_node"])
+    checks = [Check("mesh", "world", OK, f"{trainer['nnodes']} nodes x {trainer['n_gpus_per_node']} = {world}")]
+    arr = config["actor_rollout_ref"]
+    actor = train_mesh("actor", arr["actor"], world)
+    checks += check_train_mesh(actor, num_layers, num_experts)
+    ref = arr.get("ref") or {}
+    if ref.get("megatron"):
+        ref_mesh = train_mesh("ref", ref, world)
+        if dataclasses.replace(ref_mesh, role="actor") != actor:
+            checks += check_train_mesh(ref_mesh, num_layers, num_experts)
+    critic = config.get("critic") or {}
+    if critic.get("enable") and critic.get("megatron"):
+        checks += check_train_mesh(train_mesh("critic", critic, world), num_layers, num_experts)
+    checks += check_rollout(arr["rollout"], world, num_experts)
+    data = config["data"]
+    max_sequence = int(data["max_prompt_length"]) + int(data["max_response_length"])
+    checks += check_thd_alignment(actor, arr["actor"], max_sequence)
+    checks += check_batches(config, actor)
+    if not any(c.status == FAIL for c in checks) and actor.dp == 0:
+        checks.append(Check("mesh", "actor-dp", WARN, "actor: no data-parallel ranks"))
+    return checks, actor

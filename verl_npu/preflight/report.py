@@ -1,0 +1,105 @@
+"""Preflight output: a rich table of checks, the memory breakdown per pipeline stage, JSON and a plot."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from rich.console import Console
+from rich.table import Table
+
+from verl_npu.preflight import PreflightReport
+from verl_npu.preflight.checks import FAIL, OK, WARN
+from verl_npu.preflight.memory import GiB
+
+_STATUS = {OK: "[green]ok[/]", WARN: "[yellow]warn[/]", FAIL: "[bold red]FAIL[/]"}
+COMPONENTS = ("weights", "grads", "optimizer", "activations", "workspace", "overhead")
+
+
+def checks_table(report: PreflightReport) -> Table:
+    table = Table(title=f"verl-npu preflight: {report.source} (chip {report.chip})", show_lines=False)
+    table.add_column("area")
+    table.add_column("check")
+    table.add_column("status")
+    table.add_column("detail", overflow="fold")
+    for check in report.checks:
+        table.add_row(check.area, check.name, _STATUS[check.status], check.message)
+    return table
+
+
+def memory_table(report: PreflightReport) -> Table | None:
+    memory = report.memory
+    if memory is None:
+        return None
+    gib = lambda b: f"{b / GiB:.1f}"  # noqa: E731
+    table = Table(title=f"HBM per device (GiB of {gib(memory.capacity_bytes)}) by pipeline stage")
+    for column in ("stage", "layers", *COMPONENTS, "train peak", "rollout phase", "host / device"):
+        table.add_column(column, justify="right")
+    for stage in memory.stages:
+        rollout = memory.rollout_bytes(stage) if memory.rollout_reserved_bytes else None
+        room = memory.headroom(stage)
+        peak = (
+            gib(stage.train_bytes) if room["train"] is None or room["train"] >= 0 else f"[red]{gib(stage.train_bytes)}"
+        )
+        roll = "-" if rollout is None else (gib(rollout) if room["rollout"] >= 0 else f"[red]{gib(rollout)}")
+        table.add_row(
+            str(stage.stage),
+            str(stage.layers),
+            *(gib(stage.train[c]) for c in COMPONENTS),
+            peak,
+            roll,
+            gib(stage.host_bytes),
+        )
+    host = f"host RAM: {gib(memory.host_bytes_per_node)} GiB on the busiest node (node {memory.worst_node}"
+    host += f", stages {list(memory.worst_node_stages)})"
+    if memory.host_capacity_bytes:
+        host += f" of {gib(memory.host_capacity_bytes)} GiB"
+    table.caption = host + f"; rollout phase = offload floor + vLLM's {gib(memory.rollout_reserved_bytes)} GiB"
+    return table
+
+
+def print_report(report: PreflightReport, console: Console) -> None:
+    console.print(checks_table(report))
+    table = memory_table(report)
+    if table is not None:
+        console.print(table)
+    if report.verdict == "go":
+        console.print("[bold green]GO[/]: the launch is valid and fits")
+    else:
+        failed = sum(c.status == FAIL for c in report.checks)
+        console.print(f"[bold red]NO-GO[/]: {failed} check(s) failed")
+
+
+def write_json(report: PreflightReport, path: Path) -> None:
+    path.write_text(json.dumps(report.to_dict(), indent=2, default=str) + "\n")
+
+
+def plot(report: PreflightReport, path: Path) -> None:
+    """A stacked bar per pipeline stage: the memory components and what is free, against capacity."""
+    if report.memory is None:
+        raise ValueError("no memory estimate to plot (an earlier check failed); see the report")
+    import matplotlib
+
+    matplotlib.use("Agg")  # files only: preflight runs on headless machines
+    import matplotlib.pyplot as plt
+
+    memory = report.memory
+    stages = [s.stage for s in memory.stages]
+    capacity = memory.capacity_bytes / GiB
+    fig, ax = plt.subplots(figsize=(max(6, 0.9 * len(stages) + 3), 4.5))
+    bottom = [0.0] * len(stages)
+    for component in COMPONENTS:
+        values = [s.train[component] / GiB for s in memory.stages]
+        ax.bar(stages, values, bottom=bottom, label=component)
+        bottom = [b + v for b, v in zip(bottom, values, strict=True)]
+    free = [max(capacity - b, 0.0) for b in bottom]
+    ax.bar(stages, free, bottom=bottom, label="free", color="#dddddd")
+    ax.axhline(capacity, color="red", linestyle="--", linewidth=1, label=f"capacity {capacity:.0f} GiB")
+    ax.set_xlabel("pipeline stage")
+    ax.set_ylabel("GiB per device (training step)")
+    ax.set_title(f"{Path(report.source).name}: HBM per stage ({report.verdict})")
+    ax.set_xticks(stages)
+    ax.legend(loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize="small")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)

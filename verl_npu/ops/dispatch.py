@@ -19,6 +19,7 @@ BACKENDS = ("ascend", "triton", "portable")
 OPS = {
     "rms_norm": ("ascend", "triton", "portable"),
     "dsa_sparse_attention": ("portable",),
+    "dsa_indexer_topk": ("portable",),
 }
 
 
@@ -86,3 +87,11 @@ def dsa_sparse_attention(query, key, value, topk_indices, softmax_scale):
     from verl_npu.ops.dsa_attention import sparse_attention
 
     return sparse_attention(query, key, value, topk_indices, softmax_scale)
+
+
+def dsa_indexer_topk(q, k, weights, topk: int, *, causal: bool = True):
+    """The DSA indexer's top-k keys per query, O(chunk * s) memory (see verl_npu.ops.dsa_indexer)."""
+    backend_for("dsa_indexer_topk", q.device)
+    from verl_npu.ops.dsa_indexer import indexer_topk
+
+    return indexer_topk(q, k, weights, topk, causal=causal)

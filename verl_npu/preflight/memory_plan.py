@@ -15,15 +15,14 @@ from typing import Any
 from verl_npu.preflight.checks import FAIL, OK, WARN, Check
 from verl_npu.preflight.memory import Activations, GiB, MemoryEstimate, Offload, Parallelism, Precision, estimate
 from verl_npu.preflight.mesh import TrainMesh
-from verl_npu.preflight.model_shape import ModelShape
-from verl_npu.preflight.model_shape import _load as _load_hf_config
+from verl_npu.preflight.model_shape import ModelShape, load_config
 
 _DTYPES = {"bfloat16": "bf16", "bf16": "bf16", "float16": "fp16", "fp16": "fp16", "float32": "fp32", "fp32": "fp32"}
 
 
 def load_hf_config(source: Any) -> dict[str, Any]:
     """The HF config as a dict: a path, a model directory, an offline model id, or "glm5"."""
-    return _load_hf_config(source)
+    return load_config(source)
 
 
 def model_shape(hf: Mapping[str, Any]) -> ModelShape:

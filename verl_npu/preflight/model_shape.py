@@ -141,7 +141,7 @@ class ModelShape:
     # --- construction ---------------------------------------------------------------------------
     @classmethod
     def from_hf(cls, config: Any) -> ModelShape:
-        return cls.from_dict(_load(config))
+        return cls.from_dict(load_config(config))
 
     @classmethod
     def from_dict(cls, cfg: dict[str, Any]) -> ModelShape:
@@ -219,7 +219,8 @@ def _moe_layers(model_type: str, cfg: dict[str, Any], layers: int) -> list[bool]
     return [i >= first and i % freq == 0 for i in range(layers)]
 
 
-def _load(config: Any) -> dict[str, Any]:
+def load_config(config: Any) -> dict[str, Any]:
+    """The HF config as a dict: a PretrainedConfig, a dict, a path or model dir, an offline model id, or "glm5"."""
     if isinstance(config, dict):
         return _with_family_defaults(config)
     if hasattr(config, "to_dict"):  # a transformers PretrainedConfig: defaults already applied

@@ -231,3 +231,38 @@ def test_dsa_attention_is_replaced_by_the_sparse_one_with_the_same_result():
     applied(dsa_sparse_attention.PATCH)
     assert dsa.unfused_dsa_fn.__module__ == "verl_npu.runtime_patches.dsa_sparse_attention"
     torch.testing.assert_close(dsa.unfused_dsa_fn(q, k, v, idx, 0.25), dense, atol=1e-5, rtol=1e-5)
+
+
+def test_the_indexer_loss_is_skipped_exactly_when_its_coefficient_is_zero():
+    import types
+
+    from megatron.core.transformer.experimental_attention_variant import dsa
+
+    from verl_npu.runtime_patches import dsa_indexer_without_loss
+
+    gen = torch.Generator().manual_seed(1)
+    s, b, heads, dim = 20, 2, 4, 16
+    q, k = torch.randn(s, b, heads, dim, generator=gen), torch.randn(s, b, dim, generator=gen)
+    weights = torch.rand(s, b, heads, generator=gen)
+    query, key = torch.randn(s, b, 3, 8, generator=gen), torch.randn(s, b, 3, 8, generator=gen)
+    mask = torch.triu(torch.full((s, s), float("-inf")), diagonal=1)
+    group = types.SimpleNamespace(tp=types.SimpleNamespace(size=lambda: 1))
+    args = (q, weights, k, query, key, 6, 0.3)
+    with without(*dsa_indexer_without_loss.PATCHES):
+        ref_idx, ref_loss = dsa.fwd_fused_indexer_loss_naive(*args, 0.0, mask, False, group)
+        ref_grads = dsa.bwd_fused_indexer_loss_naive(q, weights, k, query, key, ref_idx, 0.3, 0.0, False,
+                                                      torch.tensor(1.0), group)  # fmt: skip
+        with_loss = dsa.fwd_fused_indexer_loss_naive(*args, 0.5, mask, False, group)
+    for patch in dsa_indexer_without_loss.PATCHES:
+        applied(patch)
+    idx, loss = dsa.fwd_fused_indexer_loss_naive(*args, 0.0, mask, False, group)
+    scores = dsa._compute_index_scores(q, weights, k) + mask
+    for bb in range(b):  # the same keys by score (ties aside), and a zero loss
+        torch.testing.assert_close(scores[bb].gather(-1, idx[bb]).sort(-1).values,
+                                   scores[bb].gather(-1, ref_idx[bb]).sort(-1).values)  # fmt: skip
+    assert loss.item() == ref_loss.item() == 0.0
+    grads = dsa.bwd_fused_indexer_loss_naive(q, weights, k, query, key, idx, 0.3, 0.0, False, torch.tensor(1.0), group)
+    for mine, ref in zip(grads, ref_grads, strict=True):
+        assert torch.equal(mine, torch.zeros_like(ref)) and torch.equal(ref, torch.zeros_like(ref))
+    again = dsa.fwd_fused_indexer_loss_naive(*args, 0.5, mask, False, group)  # a real loss: megatron's code
+    assert torch.equal(again[0], with_loss[0]) and again[1].item() == with_loss[1].item() > 0

@@ -6,6 +6,7 @@ docs/patches.md is generated from this registry (`verl-npu patches --markdown`).
 
 from verl_npu.runtime_patches import (
     dsa_hadamard_fallback,
+    dsa_indexer_without_loss,
     dsa_local_spec,
     dsa_sparse_attention,
     mbridge_glm5,
@@ -17,6 +18,7 @@ ALL = (
     ray_runtime_env.PATCH,
     dsa_hadamard_fallback.PATCH,
     dsa_sparse_attention.PATCH,
+    *dsa_indexer_without_loss.PATCHES,
     *dsa_local_spec.PATCHES,
     *rope_cpu_init.PATCHES,
     mbridge_glm5.PATCH,

@@ -7,7 +7,24 @@ must already be initialised.
 
 from __future__ import annotations
 
+import os
+import socket
+
 import torch
+
+
+def init_single_gpu() -> None:
+    """torch.distributed (NCCL) and megatron's parallel state for one process on CUDA device 0."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        os.environ.setdefault("MASTER_PORT", str(s.getsockname()[1]))
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    torch.cuda.set_device(0)
+    dist.init_process_group("nccl", rank=0, world_size=1)
+    parallel_state.initialize_model_parallel()
 
 
 def build_gpt(hidden: int, layers: int, vocab: int, seq: int):

@@ -37,8 +37,6 @@ import datetime as dt
 import gc
 import importlib.metadata
 import json
-import os
-import socket
 import sys
 import traceback
 from pathlib import Path
@@ -416,9 +414,6 @@ def main() -> int:
 
 
 def init(device: str) -> None:
-    import torch.distributed as dist
-    from megatron.core import parallel_state
-
     if device == "cpu":
         sys.path.insert(0, str(ROOT / "tests_npu" / "support"))
         import cpu_megatron
@@ -430,13 +425,10 @@ def init(device: str) -> None:
 
         fused_softmax.get_default_causal_mask = lambda sq: torch.triu(torch.ones(sq, sq), diagonal=1).bool()
         return
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        os.environ.setdefault("MASTER_PORT", str(s.getsockname()[1]))
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    torch.cuda.set_device(0)
-    dist.init_process_group("nccl", rank=0, world_size=1)
-    parallel_state.initialize_model_parallel()
+    sys.path.insert(0, str(ROOT / "bench"))
+    from megatron_gpt import init_single_gpu
+
+    init_single_gpu()
     for dtype in (torch.bfloat16, torch.float32):  # cuBLAS workspaces, one per thread (forward, autograd's backward)
         x = torch.ones(256, 256, device="cuda", dtype=dtype, requires_grad=True)
         (x @ x).sum().backward()

@@ -23,12 +23,11 @@ import json
 import os
 import platform
 import resource
-import socket
 import time
 from pathlib import Path
 
 import torch
-from megatron_gpt import build_gpt
+from megatron_gpt import build_gpt, init_single_gpu
 from megatron_gpt import train_step as run_train_step
 from rich.console import Console
 from rich.table import Table
@@ -42,16 +41,7 @@ def rss_bytes() -> int:
 
 
 def build(hidden: int, layers: int, vocab: int, seq: int):
-    import torch.distributed as dist
-    from megatron.core import parallel_state
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        os.environ.setdefault("MASTER_PORT", str(s.getsockname()[1]))
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    torch.cuda.set_device(0)
-    dist.init_process_group("nccl", rank=0, world_size=1)
-    parallel_state.initialize_model_parallel()
+    init_single_gpu()
     return build_gpt(hidden, layers, vocab, seq)
 
 

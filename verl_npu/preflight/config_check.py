@@ -190,6 +190,15 @@ def compose_config(config_name: str | None, overrides: Sequence[str]) -> tuple[A
     from omegaconf.errors import OmegaConfBaseException
 
     name = config_name or DEFAULT_CONFIG_NAME
+    try:  # the usual case, valid overrides: one composition, no diagnosis needed
+        config = _compose(name, overrides)
+    except (HydraException, OmegaConfBaseException):
+        config = None
+    if config is not None:
+        checks = _check_added_keys(overrides)
+        if not checks:
+            checks.append(Check("config", "compose", OK, f"{len(overrides)} overrides compose with verl's {name}.yaml"))
+        return config, checks
     try:
         known, mappings = _base_keys(name)
     except (HydraException, OmegaConfBaseException) as exc:

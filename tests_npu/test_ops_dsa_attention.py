@@ -76,3 +76,40 @@ def test_shape_mismatches_are_refused():
         sparse_attention(q, k, v, idx[:, :7], 1.0)
     with pytest.raises(ValueError, match="do not match query"):
         sparse_attention(q, k[:, :, :1], v, idx, 1.0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_one_head_keys_are_shared_by_every_query_head_like_absorbed_mla(dtype):
+    q, k, v, idx = inputs(23, 2, 4, 16, 8, 6, dtype, seed=5)
+    k1, v1 = k[:, :, :1].clone(), v[:, :, :1].clone()
+    mine = [t.clone().requires_grad_() for t in (q, k1, v1)]
+    ours = sparse_attention(*mine, idx, 0.25)
+    theirs_leaves = [t.clone().requires_grad_() for t in (q, k1, v1)]
+    tq, tk, tv = theirs_leaves
+    theirs = reference(tq, tk.expand(-1, -1, 4, -1), tv.expand(-1, -1, 4, -1), idx, 0.25)
+    tol = {"atol": 1e-5, "rtol": 1e-5} if dtype == torch.float32 else {"atol": 2e-2, "rtol": 2e-2}
+    torch.testing.assert_close(ours, theirs, **tol)
+    grad = torch.randn_like(ours)
+    ours.backward(grad)
+    theirs.backward(grad)
+    assert mine[1].grad.shape == (23, 2, 1, 16)  # summed over the four query heads
+    for a, r, name in zip(mine, theirs_leaves, "qkv", strict=True):
+        torch.testing.assert_close(a.grad, r.grad, **tol, msg=f"d{name}")
+
+
+def test_a_query_without_any_valid_key_gets_zero_output_and_zero_gradient():
+    q, k, v, idx = inputs(12, 1, 2, 8, 8, 3, torch.float32, seed=7)
+    idx[0, 5] = -1  # padding only: query 5 selects nothing
+    idx[0, 8] = 11  # only keys after the query: nothing causal
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    out = sparse_attention(*leaves, idx, 0.3)
+    assert torch.isfinite(out).all()
+    assert torch.equal(out[5], torch.zeros_like(out[5])) and torch.equal(out[8], torch.zeros_like(out[8]))
+    out.sum().backward()
+    assert torch.equal(leaves[0].grad[5], torch.zeros_like(leaves[0].grad[5]))
+    assert torch.equal(leaves[0].grad[8], torch.zeros_like(leaves[0].grad[8]))
+    assert leaves[0].grad[4].abs().sum() > 0 and torch.isfinite(leaves[1].grad).all()
+    # the other queries are exactly what megatron's formula gives (its rows 5 and 8 are NaN: 0/0)
+    ref = reference(q, k, v, idx.clamp(min=0), 0.3)
+    keep = [i for i in range(12) if i not in (5, 8)]
+    torch.testing.assert_close(out[keep], ref[keep])

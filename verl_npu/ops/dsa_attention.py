@@ -4,24 +4,38 @@ Contract of megatron-core 0.18's ``unfused_dsa_fn(query, key, value, topk_indice
 query ``[sq, b, np, hn]``, key ``[skv, b, np, hn]``, value ``[skv, b, np, hnv]``, topk_indices
 ``[b, sq, topk]`` (shared by all heads, MLA/MQA style; duplicates and positions after the query
 count once / not at all), causal; returns ``[sq, b, np * hnv]`` in value's dtype, softmax in fp32.
+Key and value may also have one head (``[skv, b, 1, hn]``, absorbed MLA / MQA): every query head
+shares it. A query with no valid key gets a zero output and zero gradients.
 
 megatron's reference materialises ``[b, np, sq, skv]`` fp32 scores (hundreds of GB at 32k). This
-backend walks the queries in chunks of at most ``topk`` rows: per chunk it scores only the causal
-key prefix, masks everything outside the chunk's top-k sets, and keeps the softmax statistics
-(log-sum-exp) instead of the probabilities. Backward recomputes each chunk's probabilities from
-those statistics (the flash-attention recurrence, done chunk by chunk in PyTorch), so peak memory
-is a few ``[b, np, chunk, skv]`` buffers: O(s * topk), never O(s^2). Runs on NPU, CUDA and CPU.
+backend walks the queries in chunks of at most ``topk`` rows; per chunk it builds the chunk's
+selection mask over the causal key prefix (``[b, rows, prefix]`` bools) and runs PyTorch's
+``scaled_dot_product_attention`` with it, so each platform's own attention kernel does the work
+(CUDA: the memory-efficient kernel, which takes a mask; NPU/CPU: their fused or math kernels).
+Nothing but q, k, v and the indices is kept for backward: each chunk's attention is recomputed
+there and differentiated on its own, so peak memory is one chunk's mask and attention buffers,
+O(s * topk), never O(s^2). Runs on NPU, CUDA and CPU; it is the numerical reference for the
+Triton and Ascend backends.
 """
 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
+
+# Elements of one chunk's working set (mask, or per-head scores where SDPA falls back to its math
+# kernel): 2**27 keeps a 32k-token chunk at 2048 query rows on CUDA (64 MiB mask).
+CHUNK_BUDGET_ELEMENTS = 2**27
 
 
-def _chunk_rows(sq: int, skv: int, heads: int, topk: int, budget_elements: int) -> int:
-    """Query rows per chunk: at most topk (O(s * topk) memory) and within the element budget."""
-    by_budget = max(budget_elements // max(heads * skv, 1), 1)
-    return max(1, min(sq, topk, by_budget))
+def _chunk_rows(sq: int, skv: int, heads: int, topk: int, budget_elements: int, fused_mask_kernel: bool) -> int:
+    """Query rows per chunk: at most topk (O(s * topk) memory) and within the element budget.
+
+    Where SDPA has a fused kernel that takes a mask (CUDA) a row costs its mask; elsewhere SDPA may
+    materialise fp32 scores for every head, so a row costs ``heads * skv``.
+    """
+    per_row = skv if fused_mask_kernel else heads * skv
+    return max(1, min(sq, topk, budget_elements // max(per_row, 1)))
 
 
 def _selection_mask(topk_indices: torch.Tensor, rows: slice, skv: int) -> torch.Tensor:
@@ -36,61 +50,62 @@ def _selection_mask(topk_indices: torch.Tensor, rows: slice, skv: int) -> torch.
     return mask & causal.unsqueeze(0)
 
 
-def _scores(q: torch.Tensor, k: torch.Tensor, mask: torch.Tensor, scale: float) -> torch.Tensor:
-    """[b, np, rows, skv] fp32 scores with -inf outside the mask. q: [b, np, rows, hn], k: [b, np, skv, hn].
-
-    Matmuls run in the inputs' dtype (bf16 accumulates in fp32 on every backend), softmax in fp32.
-    """
-    scores = torch.matmul(q, k.transpose(-1, -2)).float().mul_(scale)
-    return scores.masked_fill_(~mask.unsqueeze(1), float("-inf"))
+def _chunk_attention(q, k, v, mask, scale, heads):
+    """Attention of one query chunk. q: [b, np, rows, hn]; k/v: [b, 1 or np, prefix, d]; mask: [b, rows, prefix]."""
+    has_key = mask.any(-1)  # [b, rows]
+    everyone_has_a_key = bool(has_key.all())
+    if not everyone_has_a_key:
+        # an all-False row would make the softmax 0/0; give it key 0, then zero its output (and so its gradients)
+        mask = mask.clone()
+        mask[..., 0] |= ~has_key
+    if k.shape[1] != heads:
+        k, v = k.expand(-1, heads, -1, -1), v.expand(-1, heads, -1, -1)
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask.unsqueeze(1), scale=scale)
+    if not everyone_has_a_key:
+        out = out * has_key[:, None, :, None].to(out.dtype)
+    return out
 
 
 class _SparseAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, topk_indices, scale, chunk):
-        # q/k/v here are [b, np, s, d]
-        b, heads, sq, _ = q.shape
-        skv = k.shape[2]
-        out = torch.empty(b, heads, sq, v.shape[-1], dtype=v.dtype, device=v.device)
-        lse = torch.empty(b, heads, sq, dtype=torch.float32, device=q.device)
+        # q/k/v: [b, np or 1, s, d] views; the result is [sq, b, np, hnv], the layout megatron returns
+        b, heads, sq, skv = q.shape[0], q.shape[1], q.shape[2], k.shape[2]
+        result = torch.empty(sq, b, heads, v.shape[-1], dtype=v.dtype, device=v.device)
+        out = result.permute(1, 2, 0, 3)
         for start in range(0, sq, chunk):
             rows = slice(start, min(start + chunk, sq))
             end = min(rows.stop, skv)  # causal: keys after the chunk's last query are never used
             mask = _selection_mask(topk_indices, rows, skv)[..., :end]
-            scores = _scores(q[:, :, rows], k[:, :, :end], mask, scale)
-            row_lse = torch.logsumexp(scores, dim=-1)
-            probs = torch.exp(scores.sub_(row_lse.unsqueeze(-1))).nan_to_num_(0.0)  # rows with no key: all -inf
-            out[:, :, rows] = torch.matmul(probs.to(v.dtype), v[:, :, :end])
-            lse[:, :, rows] = row_lse
-        ctx.save_for_backward(q, k, v, topk_indices, out, lse)
+            out[:, :, rows] = _chunk_attention(q[:, :, rows], k[:, :, :end], v[:, :, :end], mask, scale, heads)
+        ctx.save_for_backward(q, k, v, topk_indices)
         ctx.scale, ctx.chunk = scale, chunk
-        return out
+        return result
 
     @staticmethod
-    def backward(ctx, grad_out):
-        q, k, v, topk_indices, out, lse = ctx.saved_tensors
+    def backward(ctx, grad_result):
+        q, k, v, topk_indices = ctx.saved_tensors
+        grad_out = grad_result.permute(1, 2, 0, 3)
         scale, chunk = ctx.scale, ctx.chunk
-        sq, skv = q.shape[2], k.shape[2]
-        dq = torch.zeros_like(q, dtype=torch.float32)
-        dk = torch.zeros_like(k, dtype=torch.float32)
-        dv = torch.zeros_like(v, dtype=torch.float32)
-        grad_out = grad_out.contiguous()
-        # delta_i = sum_d dO_i * O_i: the softmax-backward row term
-        delta = (grad_out.float() * out.float()).sum(-1)
-        compute = q.dtype  # matmul inputs in the model's dtype, as flash attention does; statistics in fp32
+        heads, sq, skv = q.shape[1], q.shape[2], k.shape[2]
+        dq = torch.empty_like(q)
+        # keys collect gradient from every later chunk: accumulate in fp32
+        dk = torch.zeros(k.shape, dtype=torch.float32, device=k.device)
+        dv = torch.zeros(v.shape, dtype=torch.float32, device=v.device)
         for start in range(0, sq, chunk):
             rows = slice(start, min(start + chunk, sq))
             end = min(rows.stop, skv)
             mask = _selection_mask(topk_indices, rows, skv)[..., :end]
-            scores = _scores(q[:, :, rows], k[:, :, :end], mask, scale)
-            probs = torch.exp(scores.sub_(lse[:, :, rows].unsqueeze(-1))).nan_to_num_(0.0)
-            do = grad_out[:, :, rows].to(compute)
-            dv[:, :, :end] += torch.matmul(probs.to(compute).transpose(-1, -2), do)
-            dprobs = torch.matmul(do, v[:, :, :end].transpose(-1, -2)).float()
-            dscores = probs.mul_(dprobs.sub_(delta[:, :, rows].unsqueeze(-1))).mul_(scale).to(compute)
-            dq[:, :, rows] = torch.matmul(dscores, k[:, :, :end])
-            dk[:, :, :end] += torch.matmul(dscores.transpose(-1, -2), q[:, :, rows])
-        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None
+            with torch.enable_grad():
+                qc = q[:, :, rows].detach().requires_grad_()
+                kc = k[:, :, :end].detach().requires_grad_()
+                vc = v[:, :, :end].detach().requires_grad_()
+                out = _chunk_attention(qc, kc, vc, mask, scale, heads)
+                dqc, dkc, dvc = torch.autograd.grad(out, (qc, kc, vc), grad_out[:, :, rows])
+            dq[:, :, rows] = dqc
+            dk[:, :, :end] += dkc
+            dv[:, :, :end] += dvc
+        return dq, dk.to(k.dtype), dv.to(v.dtype), None, None, None
 
 
 def sparse_attention(
@@ -100,18 +115,23 @@ def sparse_attention(
     topk_indices: torch.Tensor,
     softmax_scale: float,
     *,
-    chunk_budget_elements: int = 2**25,
+    chunk_budget_elements: int = CHUNK_BUDGET_ELEMENTS,
 ) -> torch.Tensor:
     """``unfused_dsa_fn``'s result (same layouts and dtype), with O(s * topk) memory; differentiable."""
     sq, b, heads, _ = query.shape
     skv = key.shape[0]
     if topk_indices.shape[:2] != (b, sq):
         raise ValueError(f"topk_indices {tuple(topk_indices.shape)}: expected [b={b}, sq={sq}, topk]")
-    if key.shape[1:3] != (b, heads) or value.shape[:3] != (skv, b, heads):
-        raise ValueError(f"key {tuple(key.shape)} / value {tuple(value.shape)} do not match query {tuple(query.shape)}")
+    kv_heads = key.shape[2]
+    if key.shape[1] != b or kv_heads not in (1, heads) or value.shape[:3] != (skv, b, kv_heads):
+        raise ValueError(
+            f"key {tuple(key.shape)} / value {tuple(value.shape)} do not match query {tuple(query.shape)}: "
+            f"expected [skv, b={b}, {heads} or 1 heads, dim] for both"
+        )
     topk = topk_indices.shape[-1]
-    chunk = _chunk_rows(sq, skv, b * heads, topk, chunk_budget_elements)
-    # [s, b, np, d] -> [b, np, s, d]
-    q, k, v = (t.permute(1, 2, 0, 3).contiguous() for t in (query, key, value))
-    out = _SparseAttention.apply(q, k, v, topk_indices, float(softmax_scale), chunk)
-    return out.permute(2, 0, 1, 3).reshape(sq, b, heads * value.shape[-1])
+    fused = query.device.type == "cuda"
+    chunk = _chunk_rows(sq, skv, b * heads, topk, chunk_budget_elements, fused)
+    # [s, b, np, d] -> [b, np, s, d] views: SDPA takes strided inputs, so nothing is copied
+    q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))
+    result = _SparseAttention.apply(q, k, v, topk_indices, float(softmax_scale), chunk)
+    return result.view(sq, b, heads * value.shape[-1])

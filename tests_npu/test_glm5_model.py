@@ -49,3 +49,49 @@ def test_tiny_glm5_builds_with_fused_rmsnorm_and_trains_on_cpu(cpu_megatron_harn
     assert torch.isfinite(loss)
     grads = [p.grad for p in model.parameters() if p.requires_grad]
     assert sum(g is not None and bool(torch.count_nonzero(g)) for g in grads) > len(grads) // 2
+
+
+def test_no_grad_log_probs_pick_the_indexer_top_k_without_dense_scores(cpu_megatron_harness, monkeypatch):
+    """RL's old/ref log-probs run without gradients: DSAttention's no-grad branch, patched to chunked top-k."""
+    import contextlib
+
+    from megatron.core import tensor_parallel
+    from megatron.core.transformer.experimental_attention_variant import dsa
+    from megatron.core.transformer.module import Float16Module
+
+    from verl_npu import megatron_adaptor
+    from verl_npu.patching import APPLIED
+    from verl_npu.runtime_patches import dsa_indexer_topk_eval
+
+    tensor_parallel.model_parallel_cuda_manual_seed(3)
+    model = build_glm5_model(
+        HF, fused_rmsnorm=True, use_cpu_initialization=True, params_dtype=torch.bfloat16, bf16=True
+    )
+    wrapped = Float16Module(model.config, model).eval()
+    tokens = torch.randint(0, 128, (2, 24))  # 24 tokens, top-k 8: the selection matters
+    positions = torch.arange(24).unsqueeze(0).expand(2, -1)
+    engine = megatron_adaptor.load().engine
+    engine.revert(dsa_indexer_topk_eval.PATCH)
+    try:
+        with torch.no_grad():
+            dense_logits = wrapped(tokens, positions, None)
+    finally:
+        engine.apply(dsa_indexer_topk_eval.PATCH)
+    assert engine.record(dsa_indexer_topk_eval.PATCH.id).status == APPLIED
+
+    def no_dense_scores(*args, **kwargs):
+        raise AssertionError("fused_qk_topk_naive builds [s, b, heads, s] scores")
+
+    monkeypatch.setattr(dsa, "fused_qk_topk_naive", no_dense_scores)
+    with torch.no_grad():
+        logits = wrapped(tokens, positions, None)
+    torch.testing.assert_close(logits, dense_logits)
+    # with gradients (training) megatron's own path runs: it reaches the (here forbidden) dense scores
+    indexer = next(m for m in model.modules() if isinstance(m, dsa.DSAIndexer))
+    x, qr = torch.randn(24, 2, 128, dtype=torch.bfloat16), torch.randn(24, 2, 64, dtype=torch.bfloat16)
+    with contextlib.suppress(AssertionError), torch.enable_grad():
+        indexer.forward_with_scores(x, qr)
+        raise RuntimeError("the grad-enabled call did not reach megatron's dense scores")
+    with torch.no_grad():
+        scores, topk = indexer.forward_with_scores(x, qr)
+    assert scores is None and topk.shape == (2, 24, 8)

@@ -10,7 +10,7 @@ import types
 import pytest
 import torch
 
-from verl_npu.ops import dispatch
+from verl_npu.ops import ascend, dispatch
 
 
 def test_cpu_tensors_get_the_portable_backend_and_forcing_a_missing_one_fails_loudly(monkeypatch):
@@ -49,7 +49,7 @@ def test_the_ascend_adapter_casts_gamma_and_adds_the_residual(monkeypatch):
     monkeypatch.setitem(sys.modules, "torch_npu", types.SimpleNamespace(npu_rms_norm=npu_rms_norm))
     x, r = torch.randn(4, 16, dtype=torch.bfloat16), torch.randn(4, 16, dtype=torch.bfloat16)
     w = torch.rand(16) + 0.5  # fp32 parameter, bf16 activations: the adapter casts
-    y, h = dispatch._rms_norm_ascend(x, w, 1e-5, r)
+    y, h = ascend.rms_norm(x, w, 1e-5, r)
     assert calls == [1e-5] and torch.equal(h, x + r)
     torch.testing.assert_close(y, dispatch.rms_norm(x + r, w.to(torch.bfloat16), 1e-5))
 
@@ -57,7 +57,7 @@ def test_the_ascend_adapter_casts_gamma_and_adds_the_residual(monkeypatch):
 TRITON_PARITY = textwrap.dedent(
     """
     import torch
-    from verl_npu.ops import dispatch
+    from verl_npu.ops import ascend, dispatch
     from verl_npu.ops.rmsnorm import rms_norm
     assert dispatch.backend_for("rms_norm", torch.device("cpu")) == "triton"
     torch.manual_seed(0)
@@ -93,3 +93,51 @@ def test_triton_rms_norm_forward_and_backward_match_the_fp32_reference_under_the
         env={**__import__("os").environ, "TRITON_INTERPRET": "1", "VERL_NPU_OPS_BACKEND": "triton"},
     )  # fmt: skip
     assert done.returncode == 0 and done.stdout.strip() == "ok", done.stdout + done.stderr[-3000:]
+
+
+def test_hadamard_is_dispatched_and_megatrons_dsa_rotation_goes_through_the_dispatcher(monkeypatch):
+    from verl_npu.ops.hadamard import hadamard_matrix
+    from verl_npu.runtime_patches import dsa_hadamard_fallback
+
+    monkeypatch.delenv("VERL_NPU_OPS_BACKEND", raising=False)
+    x = torch.randn(3, 64)
+    assert dispatch.backend_for("hadamard_transform", x.device) == "portable"
+    torch.testing.assert_close(dispatch.hadamard_transform(x, 0.125), (x @ hadamard_matrix(64).T) * 0.125)
+    seen = []
+    monkeypatch.setattr(dispatch, "hadamard_transform", lambda t, scale: seen.append((t.shape, scale)) or t)
+    rotate = dsa_hadamard_fallback.PATCH.build(None)  # what the patch puts in place of megatron's rotate_activation
+    rotate(torch.ones(2, 16, dtype=torch.bfloat16))
+    assert seen == [((2, 16), 0.25)]
+
+
+def test_dsa_attention_on_triton_picks_the_kernel_by_key_heads_and_head_dim(monkeypatch, caplog):
+    """Routing only (the kernels' numerics have their own tests): gather kernel for one shared key head,
+    tiled kernel for per-head keys up to head dim 256, portable beyond (logged; an error when forced)."""
+    from verl_npu.ops import dsa_attention, dsa_attention_mqa_triton, dsa_attention_triton
+
+    calls = []
+    for module, name in (
+        (dsa_attention_mqa_triton, "sparse_attention_mqa_triton"),
+        (dsa_attention_triton, "sparse_attention_triton"),
+        (dsa_attention, "sparse_attention"),
+    ):
+        monkeypatch.setattr(module, name, lambda *args, _name=name: calls.append(_name) or "out")
+    monkeypatch.delenv("VERL_NPU_OPS_BACKEND", raising=False)
+    monkeypatch.setenv("TRITON_INTERPRET", "1")  # makes the triton backend usable for CPU tensors
+    idx = torch.zeros(1, 4, 2, dtype=torch.long)
+
+    def attend(heads, kv_heads, hn, hnv):
+        q = torch.zeros(4, 1, heads, hn)
+        return dispatch.dsa_sparse_attention(
+            q, torch.zeros(4, 1, kv_heads, hn), torch.zeros(4, 1, kv_heads, hnv), idx, 1.0
+        )
+
+    attend(8, 1, 576, 512)
+    attend(8, 8, 256, 256)
+    with caplog.at_level("WARNING", logger="verl_npu.ops.dispatch"):
+        attend(8, 8, 320, 256)
+    assert calls == ["sparse_attention_mqa_triton", "sparse_attention_triton", "sparse_attention"]
+    assert "head dims 320/256: the tiled Triton kernel is built for head dims up to 256" in caplog.text
+    monkeypatch.setenv("VERL_NPU_OPS_BACKEND", "triton")
+    with pytest.raises(RuntimeError, match="VERL_NPU_OPS_BACKEND=triton: dsa_sparse_attention: per-head keys"):
+        attend(8, 8, 320, 256)

@@ -113,3 +113,11 @@ def test_a_query_without_any_valid_key_gets_zero_output_and_zero_gradient():
     ref = reference(q, k, v, idx.clamp(min=0), 0.3)
     keep = [i for i in range(12) if i not in (5, 8)]
     torch.testing.assert_close(out[keep], ref[keep])
+
+
+def test_padding_after_a_selected_key_does_not_unselect_it():
+    q, k, v, idx = inputs(6, 1, 1, 4, 4, 3, torch.float32, seed=11)
+    idx[0, 5] = torch.tensor([0, -1, 7])  # key 0 selected, then padding and an out-of-range entry
+    out = sparse_attention(q, k, v, idx, 0.5)
+    # a single selected key: the softmax puts all weight on it, so the output is exactly v[0]
+    torch.testing.assert_close(out[5], v[0].reshape(1, -1))

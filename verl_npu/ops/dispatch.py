@@ -4,23 +4,38 @@ Backends: ``ascend`` (torch_npu's fused operators, NPU tensors), ``triton`` (CUD
 installed), ``portable`` (plain PyTorch; NPU, CUDA and CPU; the numerical reference). An op without
 a kernel for the preferred backend falls through to the next. ``VERL_NPU_OPS_BACKEND`` forces one
 backend for every op (it must be available for the tensors' device, or the call fails loudly).
+
+A fused Ascend operator takes a narrower set of inputs than its op's contract (e.g.
+npu_sparse_flash_attention takes absorbed-MLA keys only, megatron passes per-head ones). Its
+adapter (verl_npu.ops.ascend) then refuses the inputs before calling it, and the op runs its
+portable backend, logging why once per reason: the result is the same, only slower, and a model
+whose shapes never fit would otherwise stop at its first layer. With ``VERL_NPU_OPS_BACKEND=ascend``
+the refusal is an error instead: the fused kernel was asked for, and quietly running another
+would hide that it never ran (a benchmark would measure the wrong kernel).
 """
 
 from __future__ import annotations
 
 import functools
 import importlib.util
+import logging
 import os
 
 import torch
+
+logger = logging.getLogger(__name__)
 
 BACKENDS = ("ascend", "triton", "portable")
 # which backends each op has, best first
 OPS = {
     "rms_norm": ("ascend", "triton", "portable"),
-    "dsa_sparse_attention": ("portable",),
-    "dsa_indexer_topk": ("portable",),
+    "dsa_sparse_attention": ("ascend", "triton", "portable"),
+    "dsa_indexer_topk": ("ascend", "portable"),
+    "dsa_indexer_loss": ("ascend", "portable"),
+    "hadamard_transform": ("portable",),
 }
+# the tiled Triton DSA kernel's tiles are sized for GLM-5's per-head dims (256); beyond, portable runs
+TRITON_TILED_MAX_HEAD_DIM = 256
 
 
 @functools.cache
@@ -54,21 +69,33 @@ def backend_for(op: str, device: torch.device) -> str:
     return next(b for b in OPS[op] if _usable(b, device))
 
 
-def _rms_norm_ascend(x, weight, eps, residual):
-    import torch_npu
+@functools.cache
+def _log_fallback(op: str, reason: str) -> None:
+    logger.warning("verl_npu.ops: %s runs its portable backend: %s", op, reason)
 
-    if residual is not None:
-        x = x + residual
-    # npu_rms_norm wants gamma in x's dtype; it returns (y, rstd)
-    y = torch_npu.npu_rms_norm(x, weight.to(x.dtype), epsilon=eps)[0]
-    return (y, x) if residual is not None else y
+
+def _ascend(op: str, call):
+    """``call(verl_npu.ops.ascend)``, or None when the operator refuses the inputs (see the module docstring)."""
+    from verl_npu.ops import ascend
+
+    try:
+        return call(ascend)
+    except ascend.OperatorUnfit as unfit:
+        if os.environ.get("VERL_NPU_OPS_BACKEND") == "ascend":
+            raise RuntimeError(
+                f"VERL_NPU_OPS_BACKEND=ascend: {op}: {unfit}; unset it to run these inputs on the portable backend"
+            ) from unfit
+        _log_fallback(op, str(unfit))
+        return None
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6, residual: torch.Tensor | None = None):
     """RMSNorm over the last dim (of ``x + residual``, also returned); fp32 statistics, x's dtype out."""
     backend = backend_for("rms_norm", x.device)
     if backend == "ascend":
-        return _rms_norm_ascend(x, weight, eps, residual)
+        from verl_npu.ops import ascend
+
+        return ascend.rms_norm(x, weight, eps, residual)
     if backend == "triton":
         from verl_npu.ops.rmsnorm_triton import rms_norm_triton
 
@@ -83,7 +110,29 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6, residual:
 
 def dsa_sparse_attention(query, key, value, topk_indices, softmax_scale):
     """megatron's ``unfused_dsa_fn`` contract over the top-k keys only (see verl_npu.ops.dsa_attention)."""
-    backend_for("dsa_sparse_attention", query.device)
+    backend = backend_for("dsa_sparse_attention", query.device)
+    if backend == "ascend":
+        out = _ascend(
+            "dsa_sparse_attention", lambda a: a.sparse_flash_attention(query, key, value, topk_indices, softmax_scale)
+        )
+        if out is not None:
+            return out
+    if backend == "triton":
+        if key.shape[2] == 1:  # one key head shared by every query head (absorbed MLA / MQA): gather kernel
+            from verl_npu.ops.dsa_attention_mqa_triton import sparse_attention_mqa_triton
+
+            return sparse_attention_mqa_triton(query, key, value, topk_indices, softmax_scale)
+        if max(query.shape[-1], value.shape[-1]) <= TRITON_TILED_MAX_HEAD_DIM:
+            from verl_npu.ops.dsa_attention_triton import sparse_attention_triton
+
+            return sparse_attention_triton(query, key, value, topk_indices, softmax_scale)
+        reason = (
+            f"per-head keys with head dims {query.shape[-1]}/{value.shape[-1]}: the tiled Triton kernel is built "
+            f"for head dims up to {TRITON_TILED_MAX_HEAD_DIM} (larger tiles overflow shared memory)"
+        )
+        if os.environ.get("VERL_NPU_OPS_BACKEND") == "triton":
+            raise RuntimeError(f"VERL_NPU_OPS_BACKEND=triton: dsa_sparse_attention: {reason}; unset it")
+        _log_fallback("dsa_sparse_attention", reason)
     from verl_npu.ops.dsa_attention import sparse_attention
 
     return sparse_attention(query, key, value, topk_indices, softmax_scale)
@@ -91,7 +140,38 @@ def dsa_sparse_attention(query, key, value, topk_indices, softmax_scale):
 
 def dsa_indexer_topk(q, k, weights, topk: int, *, causal: bool = True):
     """The DSA indexer's top-k keys per query, O(chunk * s) memory (see verl_npu.ops.dsa_indexer)."""
-    backend_for("dsa_indexer_topk", q.device)
+    if backend_for("dsa_indexer_topk", q.device) == "ascend":
+        out = _ascend("dsa_indexer_topk", lambda a: a.lightning_indexer_topk(q, k, weights, topk, causal=causal))
+        if out is not None:
+            return out
     from verl_npu.ops.dsa_indexer import indexer_topk
 
     return indexer_topk(q, k, weights, topk, causal=causal)
+
+
+def dsa_indexer_loss(
+    q, weights, k, query, key, topk_indices, softmax_scale: float, loss_coeff: float, sparse_loss: bool = False,
+    *, tp_group=None,
+):  # fmt: skip
+    """The DSA indexer's KL loss, differentiable w.r.t. q, weights, k (see verl_npu.ops.dsa_indexer_loss).
+
+    ``tp_group``: the tensor-parallel group the attention heads are split over (None: all heads here).
+    """
+    if tp_group is not None and torch.distributed.get_world_size(tp_group) == 1:
+        tp_group = None
+    args = (q, weights, k, query, key, topk_indices, softmax_scale, loss_coeff, sparse_loss)
+    if backend_for("dsa_indexer_loss", q.device) == "ascend":
+        out = _ascend("dsa_indexer_loss", lambda a: a.indexer_kl_loss(*args, tp_group=tp_group))
+        if out is not None:
+            return out
+    from verl_npu.ops.dsa_indexer_loss import indexer_kl_loss
+
+    return indexer_kl_loss(*args, tp_group=tp_group)
+
+
+def hadamard_transform(x: torch.Tensor, scale: float = 1.0) -> torch.Tensor:
+    """``fast_hadamard_transform.hadamard_transform``'s contract (see verl_npu.ops.hadamard)."""
+    backend_for("hadamard_transform", x.device)
+    from verl_npu.ops.hadamard import hadamard_transform as portable
+
+    return portable(x, scale)

@@ -42,12 +42,14 @@ def _selection_mask(topk_indices: torch.Tensor, rows: slice, skv: int) -> torch.
     """[b, rows, skv] bool: key j is selected for query i and j <= i (duplicates collapse)."""
     idx = topk_indices[:, rows].long()
     b, n, _ = idx.shape
-    mask = torch.zeros(b, n, skv, dtype=torch.bool, device=idx.device)
-    valid = (idx >= 0) & (idx < skv)
-    mask.scatter_(-1, idx.clamp(0, skv - 1), valid)
+    # out-of-range entries (-1 padding) land in a spare last column that is dropped: a clamped write
+    # of False onto a real key would unselect it when the same row also selected that key
+    mask = torch.zeros(b, n, skv + 1, dtype=torch.bool, device=idx.device)
+    idx = torch.where((idx >= 0) & (idx < skv), idx, skv)
+    mask.scatter_(-1, idx, True)
     positions = torch.arange(rows.start, rows.start + n, device=idx.device)
     causal = torch.arange(skv, device=idx.device).unsqueeze(0) <= positions.unsqueeze(1)
-    return mask & causal.unsqueeze(0)
+    return mask[..., :skv] & causal.unsqueeze(0)
 
 
 def _chunk_attention(q, k, v, mask, scale, heads):

@@ -6,6 +6,8 @@ docs/patches.md is generated from this registry (`verl-npu patches --markdown`).
 
 from verl_npu.runtime_patches import (
     dsa_hadamard_fallback,
+    dsa_indexer_loss,
+    dsa_indexer_topk_eval,
     dsa_indexer_without_loss,
     dsa_local_spec,
     dsa_sparse_attention,
@@ -19,6 +21,8 @@ ALL = (
     dsa_hadamard_fallback.PATCH,
     dsa_sparse_attention.PATCH,
     *dsa_indexer_without_loss.PATCHES,
+    dsa_indexer_loss.PATCH,
+    dsa_indexer_topk_eval.PATCH,
     *dsa_local_spec.PATCHES,
     *rope_cpu_init.PATCHES,
     mbridge_glm5.PATCH,

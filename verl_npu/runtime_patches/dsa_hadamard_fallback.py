@@ -1,10 +1,12 @@
 """A pure-PyTorch Hadamard rotation for the DSA indexer where fast_hadamard_transform is missing.
 
-Changes: replaces ``megatron.core...dsa.rotate_activation`` with one that uses
-``verl_npu.ops.hadamard.hadamard_transform`` (same scale ``hidden**-0.5``, same shape and dtype).
+Changes: replaces ``megatron.core...dsa.rotate_activation`` with one that calls
+``verl_npu.ops.dispatch.hadamard_transform`` (same scale ``hidden**-0.5``, same shape and dtype;
+its only backend today is the portable ``verl_npu.ops.hadamard``, on NPU, CUDA and CPU).
 Why: megatron-core 0.18's DSA indexer rotates q and k with the CUDA-only ``fast_hadamard_transform``
-extension and asserts it is installed, so DSA cannot run on Ascend (never installed there) nor on
-machines without that extension. Only applied when the extension is absent.
+extension. Its import is guarded (a missing extension leaves ``dsa.hadamard_transform = None``),
+but ``rotate_activation`` asserts it is installed, so DSA cannot run on Ascend (never installed
+there) nor on machines without that extension. Only applied when the extension is absent.
 Upstream: megatron-core 0.18.0 megatron/core/transformer/experimental_attention_variant/dsa.py
 (rotate_activation).
 Remove when: megatron-core ships a fallback, or the Ascend fused indexer path never calls it.
@@ -16,7 +18,7 @@ import sys
 
 import torch
 
-from verl_npu.ops.hadamard import hadamard_transform
+from verl_npu.ops import dispatch
 from verl_npu.patching import Patch
 
 DSA_MODULE = "megatron.core.transformer.experimental_attention_variant.dsa"
@@ -26,7 +28,7 @@ def _build(original):
     def rotate_activation(x: torch.Tensor) -> torch.Tensor:
         """Hadamard rotation of the last dimension, scaled by its size**-0.5 (bf16 in, bf16 out)."""
         assert x.dtype == torch.bfloat16, f"rotate_activation only support bf16 input, but got {x.dtype}"
-        return hadamard_transform(x, scale=x.size(-1) ** -0.5)
+        return dispatch.hadamard_transform(x, scale=x.size(-1) ** -0.5)
 
     return rotate_activation
 

@@ -1,13 +1,18 @@
 """Kernel benchmarks (issue 7), one GPU, same run: DSA sparse attention and RMSNorm, table + JSON.
 
-DSA, forward+backward, top-k 2048, bf16, batch 1, random causal top-k sets, in GLM-5's two head
-layouts:
+DSA, forward+backward, top-k 2048, bf16, batch 1, random causal top-k sets (the targets' case; every
+causal tile holds a selected key) and, for the tiled kernel, a local window (each query's 2048 most
+recent keys), in GLM-5's two head layouts:
 - per-head keys (megatron-core 0.18's MLA + DSAttention): 64 heads, qk head dim 256, v head dim
   256; megatron's ``unfused_dsa_fn`` against verl_npu's portable and Triton backends;
 - absorbed MLA (MQA: one shared key head; Ascend's fused operator and FlashMLA run this form):
   64 query heads, key dim 576 (kv_lora_rank 512 + rope 64), value = the key's first 512 channels.
 Time is the median of ``--repeats`` after a warm-up, synchronised wall time (milliseconds per call,
 so launch overhead does not matter); memory is the peak allocated above the inputs.
+
+DSA indexer KL loss (sparse variant, coefficient 1): top-k and loss forward, gradients to the
+indexer's q, weights and k, at GLM-5's indexer shapes (32 index heads x 128, attention 64 x 256):
+megatron's FusedDSAIndexerLoss against verl_npu's chunked loss.
 
 RMSNorm, forward+backward at 16k tokens x 6144 hidden, bf16: verl_npu's Triton kernels and the
 portable implementation eager and under ``torch.compile``. GPU time comes from replaying a CUDA
@@ -74,7 +79,14 @@ def causal_topk(s: int, gen: torch.Generator) -> torch.Tensor:
     return (torch.rand(1, s, TOPK, device="cuda", generator=gen) * (rows + 1)).floor().to(torch.int32)
 
 
-def dsa_case(name: str, fn, s: int, shape: dict, repeats: int) -> dict:
+def window_topk(s: int) -> torch.Tensor:
+    """[1, s, TOPK] int32: each query's TOPK most recent keys (itself included; -1 where fewer exist)."""
+    rows = torch.arange(s, device="cuda").view(1, s, 1)
+    idx = rows - torch.arange(TOPK, device="cuda").view(1, 1, TOPK)
+    return torch.where(idx >= 0, idx, -1).to(torch.int32)
+
+
+def dsa_case(name: str, fn, s: int, shape: dict, repeats: int, selection: str = "random") -> dict:
     gen = torch.Generator(device="cuda").manual_seed(0)
     heads, kv_heads, hn, hnv = shape["heads"], shape["kv_heads"], shape["hn"], shape["hnv"]
     q = torch.randn(s, 1, heads, hn, device="cuda", dtype=torch.bfloat16, generator=gen, requires_grad=True)
@@ -83,9 +95,9 @@ def dsa_case(name: str, fn, s: int, shape: dict, repeats: int) -> dict:
     v = torch.randn(s, 1, kv_heads, hnv, device="cuda", dtype=torch.bfloat16, generator=gen) if separate_value else None
     if v is not None:
         v.requires_grad_()
-    idx = causal_topk(s, gen)
+    idx = causal_topk(s, gen) if selection == "random" else window_topk(s)
     grad = torch.randn(s, 1, heads * hnv, device="cuda", dtype=torch.bfloat16, generator=gen)
-    row = {"backend": name, "layout": shape["layout"], "s": s}
+    row = {"backend": name, "layout": shape["layout"], "s": s, "selection": selection}
 
     def step():
         for t in (q, k, v):
@@ -94,6 +106,53 @@ def dsa_case(name: str, fn, s: int, shape: dict, repeats: int) -> dict:
         value = v if separate_value else k[..., :hnv]  # absorbed MLA: the value is the latent part of the key
         fn(q, k, value, idx, hn**-0.5).backward(grad)
 
+    try:
+        seconds, peak = timed(step, repeats)
+    except torch.OutOfMemoryError as exc:
+        torch.cuda.empty_cache()
+        return {**row, "error": f"OutOfMemoryError: {str(exc)[:200]}"}
+    return {**row, "fwd_bwd_ms": round(seconds * 1e3, 2), "peak_gib": round(peak / 2**30, 3)}
+
+
+INDEXER = {"index_heads": 32, "index_head_dim": 128, "heads": 64, "head_dim": 256}
+
+
+def indexer_loss_case(name: str, s: int, repeats: int) -> dict:
+    """The DSA indexer's KL loss (top-k + loss forward, gradients to q, weights, k) at GLM-5's indexer shapes."""
+    import types
+
+    from megatron.core.transformer.experimental_attention_variant import dsa
+
+    from verl_npu.ops import dispatch
+
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    b, ih, idim, heads, hd = 1, INDEXER["index_heads"], INDEXER["index_head_dim"], INDEXER["heads"], INDEXER["head_dim"]
+
+    def randn(*shape):
+        return torch.randn(*shape, device="cuda", generator=gen).to(torch.bfloat16)
+
+    q, k, weights = randn(s, b, ih, idim), randn(s, b, idim), randn(s, b, ih).abs_()
+    query, key = randn(s, b, heads, hd), randn(s, b, heads, hd)
+    for t in (q, k, weights):
+        t.requires_grad_()
+    no_tp = types.SimpleNamespace(tp=types.SimpleNamespace(size=lambda: 1))
+    mask = (
+        torch.triu(torch.full((s, s), float("-inf"), device="cuda"), diagonal=1)
+        if name.startswith("megatron")
+        else None
+    )
+
+    def step():
+        for t in (q, k, weights):
+            t.grad = None
+        if mask is not None:  # megatron's FusedDSAIndexerLoss (fwd/bwd_fused_indexer_loss_naive), unpatched
+            _, loss = dsa.FusedDSAIndexerLoss.apply(q, weights, k, query, key, hd**-0.5, TOPK, 1.0, mask, True, no_tp)
+        else:
+            idx = dispatch.dsa_indexer_topk(q.detach(), k.detach(), weights.detach(), TOPK, causal=True)
+            loss = dispatch.dsa_indexer_loss(q, weights, k, query, key, idx, hd**-0.5, 1.0, True)
+        loss.backward()
+
+    row = {"backend": name, "s": s, "sparse_loss": True}
     try:
         seconds, peak = timed(step, repeats)
     except torch.OutOfMemoryError as exc:
@@ -147,9 +206,9 @@ def rmsnorm_cases(repeats: int, copy_gbps: float) -> dict:
 
 def dsa_backends() -> dict:
     from megatron.core.transformer.experimental_attention_variant.dsa import unfused_dsa_fn
-    from verl_npu.ops.dsa_attention_mqa_triton import sparse_attention_mqa_triton
 
     from verl_npu.ops.dsa_attention import sparse_attention
+    from verl_npu.ops.dsa_attention_mqa_triton import sparse_attention_mqa_triton
     from verl_npu.ops.dsa_attention_triton import sparse_attention_triton
 
     return {
@@ -161,7 +220,10 @@ def dsa_backends() -> dict:
 
 
 def find(rows: list[dict], backend: str, layout: str, s: int) -> dict:
-    return next((r for r in rows if r["backend"] == backend and r["layout"] == layout and r["s"] == s), {})
+    """The random-selection row of that backend, layout and length (the targets' case)."""
+    return next(
+        (r for r in rows if (r["backend"], r["layout"], r["s"], r["selection"]) == (backend, layout, s, "random")), {}
+    )
 
 
 def ratio(a: dict, b: dict, key: str) -> float | None:
@@ -211,11 +273,11 @@ def print_table(result: dict) -> None:
     from rich.table import Table
 
     table = Table(title=f"DSA sparse attention fwd+bwd, top-k {TOPK}, bf16 ({result['device']})")
-    for column in ("layout", "backend", "s", "ms", "peak GiB"):
+    for column in ("layout", "selection", "backend", "s", "ms", "peak GiB"):
         table.add_column(column)
     for row in result["dsa"]:
         ms = str(row.get("fwd_bwd_ms", row.get("error", "")[:40]))
-        table.add_row(row["layout"], row["backend"], str(row["s"]), ms, str(row.get("peak_gib", "")))
+        table.add_row(row["layout"], row["selection"], row["backend"], str(row["s"]), ms, str(row.get("peak_gib", "")))
     console = Console()
     console.print(table)
     rms = Table(title=f"RMSNorm fwd+bwd 16k x 6144 bf16 (copy {result['copy_bandwidth_gbps']} GB/s)")
@@ -226,6 +288,13 @@ def print_table(result: dict) -> None:
             rms.add_row(name, str(row["gpu_fwd_bwd_us"]), str(row["gpu_gbps"]), f"{row['fraction_of_copy']:.0%}",
                         str(row["eager_wall_fwd_bwd_us"]))  # fmt: skip
     console.print(rms)
+    loss = Table(title="DSA indexer KL loss (sparse), top-k + loss fwd+bwd, bf16")
+    for column in ("backend", "s", "ms", "peak GiB"):
+        loss.add_column(column)
+    for row in result["indexer_loss"]:
+        ms = str(row.get("fwd_bwd_ms", row.get("error", "")[:40]))
+        loss.add_row(row["backend"], str(row["s"]), ms, str(row.get("peak_gib", "")))
+    console.print(loss)
     targets = Table(title="targets (issue 7)")
     for column in ("what", "measured", "target", "met"):
         targets.add_column(column)
@@ -263,9 +332,20 @@ def main() -> int:
         (ABSORBED, "verl_npu portable", 16384, 2),
         (ABSORBED, "verl_npu triton mqa", 16384, 2),
     ]
-    for shape, name, s, repeats in plan:
-        result["dsa"].append(dsa_case(name, backends[name], s, shape, repeats))
+    # top-k sets with locality: the tiled kernel skips the tiles without a selected key
+    plan += [(PER_HEAD, "verl_npu portable", 16384, 2, "window"), (PER_HEAD, "verl_npu triton", 16384, 2, "window")]
+    for shape, name, s, repeats, *selection in plan:
+        result["dsa"].append(dsa_case(name, backends[name], s, shape, repeats, *selection))
         print(json.dumps(result["dsa"][-1]), flush=True)
+    result["indexer_loss_shapes"] = INDEXER
+    result["indexer_loss"] = [
+        indexer_loss_case("megatron FusedDSAIndexerLoss", 4096, args.repeats),
+        indexer_loss_case("verl_npu portable", 4096, args.repeats),
+        indexer_loss_case("megatron FusedDSAIndexerLoss", 32768, 1),
+        indexer_loss_case("verl_npu portable", 32768, 2),
+    ]
+    for row in result["indexer_loss"]:
+        print(json.dumps(row), flush=True)
     result["rmsnorm_16k_x_6144_bf16"] = rmsnorm_cases(args.repeats, result["copy_bandwidth_gbps"])
     result["summary"] = summary(result)
     print_table(result)

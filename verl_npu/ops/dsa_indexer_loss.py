@@ -25,8 +25,9 @@ chunk of query rows is scored over its causal key prefix only, reduced to its ro
 in backward to its rows' gradients) before the next chunk: peak memory is one chunk's
 ``[b, np + h, rows, sk]`` scores plus an fp32 copy of the key. Nothing but the inputs is kept
 between forward and backward; backward recomputes each chunk. Runs on NPU, CUDA and CPU.
-Measured on nvidia-h200 (b=1, 64 heads of dim 256, 32 index heads of dim 128, top-k 2048, bf16):
-s=32k forward 1.6 s, backward 2.1 s, 4.0 GiB beyond the inputs; s=4k 23 ms + 33 ms, 0.8 GiB.
+Measured on nvidia-h200 (b=1, 64 heads of dim 256, 32 index heads of dim 128, top-k 2048, bf16,
+top-k + loss + gradients): s=4k 62.1 ms in 1.06 GiB, s=32k 4.6 s in 4.3 GiB, where megatron's asks
+for 128 GiB (bench/results/kernels_h200.json).
 """
 
 from __future__ import annotations

@@ -11,8 +11,9 @@ Why: megatron-core 0.18's fused naive indexer loss materialises ``[b, np, s, s]`
 and ``[s, b, index_heads, s]`` index scores in fp32, in forward and again in backward: 256 GiB and
 128 GiB per layer at GLM-5's 32k context (64 heads, 32 index heads), so training the indexer (DSA's
 warm-up and sparse stages) cannot run at long context. The chunked loss needs O(chunk * s) memory:
-measured on nvidia-h200 at s=32k with those shapes (top-k 2048, bf16), forward 1.6 s and backward
-2.1 s per layer in 4.0 GiB beyond its inputs.
+measured on nvidia-h200 with those shapes (top-k 2048, bf16, sparse loss; top-k, loss and
+gradients), s=4k: 62.1 ms in 1.06 GiB vs megatron's 91.8 ms in 8.3 GiB; s=32k: 4.6 s in 4.3 GiB,
+where megatron's asks for 128 GiB and fails (bench/results/kernels_h200.json).
 Upstream: megatron-core 0.18.0 transformer/experimental_attention_variant/dsa.py (FusedDSAIndexerLoss,
 fwd_fused_indexer_loss_naive, bwd_fused_indexer_loss_naive, compute_dsa_indexer_loss).
 Remove when: megatron-core's DSA indexer loss no longer materialises dense [s, s] scores.

@@ -5,7 +5,7 @@ Changes: replaces ``megatron.core...dsa.unfused_dsa_fn`` with ``verl_npu.ops.dis
 Why: megatron-core 0.18's reference materialises fp32 scores for every head and every key and masks
 all but the top-k: 256 GiB per layer at GLM-5's 32k context and 64 heads, so DSA cannot run without
 Ascend's fused operators (older CANN, the fused flags off, CUDA dev boxes, CPU tests). Measured on
-nvidia-h200 at s=4k: 15x less memory and 3.4x faster, and s=32k runs in 7.4 GiB (bench/results/kernels_h200.json).
+nvidia-h200 at s=4k: 15x less memory and 3.3x faster, and s=32k runs in 7.4 GiB (bench/results/kernels_h200.json).
 On Ascend with the fused DSA flags MindSpeed replaces DSAttention's forward and this is not called.
 Upstream: megatron-core 0.18.0 transformer/experimental_attention_variant/dsa.py (unfused_dsa_fn,
 called by DSAttention.forward).

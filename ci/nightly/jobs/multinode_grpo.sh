@@ -1,61 +1,15 @@
 #!/usr/bin/env bash
 # Multi-node nightly (KubeRay RayJob, 2 x A3 16 NPUs): GRPO on the small GLM-5-shaped model (config in
-# ci/nightly/models/glm5_small) across two nodes: PP 2 splits the stages over the nodes, EP 8 and
-# offload as in the single-node job. Run by ci/k8s/rayjob-multinode.yaml through ci/nightly/run_job.sh.
+# ci/nightly/models/glm5_small) across two nodes: the single-node DSA job's launch with twice the
+# batch, EP 8 and rollout TP 8 over 32 NPUs. Run by ci/k8s/rayjob-multinode.yaml through
+# ci/nightly/run_job.sh.
 # preflight: --chip a3 --model-config ci/nightly/models/glm5_small
 set -euo pipefail
 
-NIGHTLY_DIR="${BASH_SOURCE[0]%/*}/.."
-set -a
-# shellcheck source=/dev/null
-source "$NIGHTLY_DIR/nightly.env"
-set +a
-MODEL_DIR="$CKPT_ROOT/glm5_small_init"
-python3 "$NIGHTLY_DIR/make_glm5_small.py" "$NIGHTLY_DIR/models/glm5_small" "$MODEL_DIR"
-
-MEGATRON=actor_rollout_ref.actor.megatron
-TRANSFORMER=$MEGATRON.override_transformer_config
-
-python3 -m verl.trainer.main_ppo --config-name=ppo_megatron_trainer \
-    algorithm.adv_estimator=grpo \
-    data.train_files="$DATA_ROOT/gsm8k/train.parquet" \
-    data.val_files="$DATA_ROOT/gsm8k/test.parquet" \
-    data.train_batch_size=64 \
-    data.max_prompt_length=1024 \
-    data.max_response_length=1024 \
-    actor_rollout_ref.model.path="$MODEL_DIR" \
-    actor_rollout_ref.actor.ppo_mini_batch_size=16 \
-    actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=2 \
-    actor_rollout_ref.actor.use_kl_loss=False \
-    actor_rollout_ref.actor.optim.lr=1e-6 \
-    $MEGATRON.tensor_model_parallel_size=2 \
-    $MEGATRON.pipeline_model_parallel_size=2 \
-    $MEGATRON.expert_model_parallel_size=8 \
-    $MEGATRON.sequence_parallel=True \
-    $MEGATRON.use_remove_padding=False \
-    $MEGATRON.vanilla_mbridge=True \
-    $MEGATRON.param_offload=True \
-    $MEGATRON.optimizer_offload=True \
-    +$TRANSFORMER.use_fused_rmsnorm=True \
-    +$TRANSFORMER.use_flash_attn=True \
-    +$TRANSFORMER.use_fused_lightning_indexer=True \
-    +$TRANSFORMER.use_fused_sparse_flash_attention=True \
-    +$TRANSFORMER.use_fused_lightning_indexer_kl_loss=True \
-    actor_rollout_ref.ref.megatron.vanilla_mbridge=True \
-    actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu=4 \
-    actor_rollout_ref.rollout.name=vllm \
-    actor_rollout_ref.rollout.n=4 \
-    actor_rollout_ref.rollout.tensor_model_parallel_size=8 \
-    actor_rollout_ref.rollout.gpu_memory_utilization=0.5 \
-    actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=4 \
-    trainer.device=npu \
-    trainer.nnodes=2 \
-    trainer.n_gpus_per_node=16 \
-    trainer.logger='["console"]' \
-    trainer.project_name=verl_npu_nightly \
-    trainer.experiment_name=multinode_grpo \
-    trainer.total_training_steps=15 \
-    trainer.save_freq=-1 \
-    trainer.test_freq=-1 \
-    trainer.val_before_train=False \
-    "$@"
+NNODES=2
+EXPERT_PARALLEL=8
+ROLLOUT_TP=8
+TRAIN_BATCH_SIZE=64
+EXPERIMENT=multinode_grpo
+# shellcheck source=ci/nightly/jobs/dsa_glm5_small.sh
+source "${BASH_SOURCE[0]%/*}/dsa_glm5_small.sh"

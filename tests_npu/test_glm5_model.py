@@ -53,8 +53,6 @@ def test_tiny_glm5_builds_with_fused_rmsnorm_and_trains_on_cpu(cpu_megatron_harn
 
 def test_no_grad_log_probs_pick_the_indexer_top_k_without_dense_scores(cpu_megatron_harness, monkeypatch):
     """RL's old/ref log-probs run without gradients: DSAttention's no-grad branch, patched to chunked top-k."""
-    import contextlib
-
     from megatron.core import tensor_parallel
     from megatron.core.transformer.experimental_attention_variant import dsa
     from megatron.core.transformer.module import Float16Module
@@ -71,27 +69,31 @@ def test_no_grad_log_probs_pick_the_indexer_top_k_without_dense_scores(cpu_megat
     tokens = torch.randint(0, 128, (2, 24))  # 24 tokens, top-k 8: the selection matters
     positions = torch.arange(24).unsqueeze(0).expand(2, -1)
     engine = megatron_adaptor.load().engine
-    engine.revert(dsa_indexer_topk_eval.PATCH)
+    for patch in dsa_indexer_topk_eval.PATCHES:
+        engine.revert(patch)
     try:
         with torch.no_grad():
             dense_logits = wrapped(tokens, positions, None)
     finally:
-        engine.apply(dsa_indexer_topk_eval.PATCH)
-    assert engine.record(dsa_indexer_topk_eval.PATCH.id).status == APPLIED
+        for patch in dsa_indexer_topk_eval.PATCHES:
+            engine.apply(patch)
+    assert all(engine.record(p.id).status == APPLIED for p in dsa_indexer_topk_eval.PATCHES)
 
-    def no_dense_scores(*args, **kwargs):
-        raise AssertionError("fused_qk_topk_naive builds [s, b, heads, s] scores")
-
-    monkeypatch.setattr(dsa, "fused_qk_topk_naive", no_dense_scores)
+    dense_calls = []
+    naive = dsa.fused_qk_topk_naive
+    monkeypatch.setattr(dsa, "fused_qk_topk_naive", lambda *a, **k: dense_calls.append(1) or naive(*a, **k))
     with torch.no_grad():
         logits = wrapped(tokens, positions, None)
     torch.testing.assert_close(logits, dense_logits)
-    # with gradients (training) megatron's own path runs: it reaches the (here forbidden) dense scores
+    assert dense_calls == [], "DSAttention's no-grad branch built the dense [s, b, heads, s] index scores"
+    # a direct caller asks for the scores: it gets megatron's, whose top-k the patched path matches
     indexer = next(m for m in model.modules() if isinstance(m, dsa.DSAIndexer))
     x, qr = torch.randn(24, 2, 128, dtype=torch.bfloat16), torch.randn(24, 2, 64, dtype=torch.bfloat16)
-    with contextlib.suppress(AssertionError), torch.enable_grad():
-        indexer.forward_with_scores(x, qr)
-        raise RuntimeError("the grad-enabled call did not reach megatron's dense scores")
+    causal = torch.triu(torch.full((24, 24), float("-inf")), diagonal=1)
     with torch.no_grad():
-        scores, topk = indexer.forward_with_scores(x, qr)
-    assert scores is None and topk.shape == (2, 24, 8)
+        scores, topk = indexer.forward_with_scores(x, qr, mask=causal)
+        chunked = indexer(x, qr, mask=causal)  # DSAIndexer.forward discards the scores: the chunked path
+    assert dense_calls == [1] and scores.shape == (2, 24, 24)
+    for b in range(2):  # the same keys by score (ties aside)
+        torch.testing.assert_close(scores[b].gather(-1, chunked[b]).sort(-1).values,
+                                   scores[b].gather(-1, topk[b]).sort(-1).values)  # fmt: skip

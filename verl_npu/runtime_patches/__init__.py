@@ -22,7 +22,7 @@ ALL = (
     dsa_sparse_attention.PATCH,
     *dsa_indexer_without_loss.PATCHES,
     dsa_indexer_loss.PATCH,
-    dsa_indexer_topk_eval.PATCH,
+    *dsa_indexer_topk_eval.PATCHES,
     *dsa_local_spec.PATCHES,
     *rope_cpu_init.PATCHES,
     mbridge_glm5.PATCH,

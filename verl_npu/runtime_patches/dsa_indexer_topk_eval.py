@@ -1,40 +1,51 @@
-"""The DSA indexer's top-k without dense index scores on the no-grad path (log-probs, evaluation).
+"""The DSA indexer's top-k without dense index scores where megatron discards them (log-probs, evaluation).
 
-Changes: wraps megatron-core's ``DSAIndexer.forward_with_scores``. For DSAttention's causal mask
-(a 2-D ``[sq, skv]`` float mask) or no mask, it runs the indexer's own projections
-(``forward_before_topk``) and picks the top-k with ``verl_npu.ops.dispatch.dsa_indexer_topk``
-(query chunks, O(chunk * s) memory), and returns ``None`` in place of the ``[b, s, s]`` index
-scores. A padding mask (3-D), or a call with gradients enabled, runs megatron's code unchanged.
+Changes: wraps megatron-core's ``DSAttention.forward`` and ``DSAIndexer.forward`` so that, while
+they run, ``DSAIndexer.forward_with_scores`` (also wrapped) knows its scores will be thrown away:
+it then runs the indexer's own projections (``forward_before_topk``), picks the top-k with
+``verl_npu.ops.dispatch.dsa_indexer_topk`` (query chunks, O(chunk * s) memory) under DSAttention's
+causal mask (a 2-D ``[sq, skv]`` float mask) or no mask, and returns ``None`` in place of the
+``[b, s, s]`` index scores. A padding mask (3-D), or a call from anywhere else (a caller that wants
+the scores), runs megatron's code unchanged.
 Why: RL computes old and reference log-probs without gradients, and there DSAttention takes its
-no-grad branch, ``self.indexer.forward_with_scores``, whose ``fused_qk_topk_naive`` builds
-``[s, b, index_heads, s]`` fp32 scores: 128 GiB per layer at 32k tokens with GLM-5's 32 indexer
-heads, so long-context log-probs cannot run. Every caller in megatron-core 0.18.0 discards the
-scores (``DSAIndexer.forward`` and ``DSAttention.forward``'s no-grad branch, dsa.py lines 916 and
-1110); the pinned source hash of the wrapped method catches a change of it, and a caller that
-needs the scores can compute them with megatron's ``fused_qk_topk_naive``.
+no-grad branch, ``_, topk_indices = self.indexer.forward_with_scores(...)``, whose
+``fused_qk_topk_naive`` builds ``[s, b, index_heads, s]`` fp32 scores only to take their top-k:
+128 GiB per layer at 32k tokens with GLM-5's 32 indexer heads, so long-context log-probs cannot run.
 Upstream: megatron-core 0.18.0 transformer/experimental_attention_variant/dsa.py
-(DSAIndexer.forward_with_scores, fused_qk_topk_naive).
+(DSAttention.forward, DSAIndexer.forward, DSAIndexer.forward_with_scores, fused_qk_topk_naive).
 Remove when: megatron-core selects the indexer's top-k without materialising the index scores.
 """
 
 from __future__ import annotations
 
+import contextvars
 import functools
-
-import torch
 
 from verl_npu.patching import Patch
 
 DSA_MODULE = "megatron.core.transformer.experimental_attention_variant.dsa"
 
+# set while a megatron caller that discards forward_with_scores' scores is running
+_SCORES_DISCARDED = contextvars.ContextVar("verl_npu_dsa_index_scores_discarded", default=False)
 
-def _build(original):
+
+def _discarding_caller(original):
+    @functools.wraps(original)
+    def forward(*args, **kwargs):
+        token = _SCORES_DISCARDED.set(True)
+        try:
+            return original(*args, **kwargs)
+        finally:
+            _SCORES_DISCARDED.reset(token)
+
+    return forward
+
+
+def _forward_with_scores(original):
     @functools.wraps(original)
     def forward_with_scores(self, x, qr, mask=None, packed_seq_params=None):
-        if torch.is_grad_enabled() or (mask is not None and mask.dim() != 2):
-            return original(self, x, qr, mask, packed_seq_params)
-        if packed_seq_params is not None:
-            # megatron refuses packed sequences here too; keep its message
+        # packed sequences: megatron refuses them here; keep its message
+        if not _SCORES_DISCARDED.get() or packed_seq_params is not None or (mask is not None and mask.dim() != 2):
             return original(self, x, qr, mask, packed_seq_params)
         from verl_npu.ops import dispatch
 
@@ -46,16 +57,38 @@ def _build(original):
     return forward_with_scores
 
 
-PATCH = Patch(
-    id="dsa-indexer-topk-eval",
-    target=f"{DSA_MODULE}:DSAIndexer.forward_with_scores",
+COMMON = dict(
     kind="wrap",
     platforms=frozenset({"ascend", "cuda", "cpu"}),
     requires={"megatron-core": "==0.18.0"},
-    source_sha256="4e3db2c100ae76a29e3e2abd49faf86c159226e1fc781b166b630cb601de564d",
     reason="without gradients (log-probs) megatron's DSA indexer builds [s, b, index_heads, s] fp32 scores only to "
     "take their top-k and discard them; top-k chosen in query chunks instead",
-    upstream="megatron-core 0.18.0 transformer/experimental_attention_variant/dsa.py::DSAIndexer.forward_with_scores",
     remove_when="megatron-core selects the DSA indexer's top-k without materialising the index scores",
-    build=_build,
 )
+FORWARD_WITH_SCORES = Patch(
+    id="dsa-indexer-topk-eval",
+    target=f"{DSA_MODULE}:DSAIndexer.forward_with_scores",
+    source_sha256="4e3db2c100ae76a29e3e2abd49faf86c159226e1fc781b166b630cb601de564d",
+    upstream="megatron-core 0.18.0 transformer/experimental_attention_variant/dsa.py::DSAIndexer.forward_with_scores",
+    build=_forward_with_scores,
+    **COMMON,
+)
+ATTENTION_CALLER = Patch(
+    id="dsa-indexer-topk-eval-attention",
+    target=f"{DSA_MODULE}:DSAttention.forward",
+    source_sha256="4ed023882ef6a032906cc5636f9def6169179307a67d3e2e99454b1e5a82bdbc",
+    upstream="megatron-core 0.18.0 transformer/experimental_attention_variant/dsa.py::DSAttention.forward "
+    "(its no-grad branch discards the index scores)",
+    build=_discarding_caller,
+    **COMMON,
+)
+INDEXER_CALLER = Patch(
+    id="dsa-indexer-topk-eval-indexer",
+    target=f"{DSA_MODULE}:DSAIndexer.forward",
+    source_sha256="c76286db36dff1a71e66d7b690eef9afd1d10bd427fad204d8f4dc76e6f055a9",
+    upstream="megatron-core 0.18.0 transformer/experimental_attention_variant/dsa.py::DSAIndexer.forward "
+    "(returns the top-k only)",
+    build=_discarding_caller,
+    **COMMON,
+)
+PATCHES = (FORWARD_WITH_SCORES, ATTENTION_CALLER, INDEXER_CALLER)

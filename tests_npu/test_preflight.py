@@ -305,3 +305,21 @@ def test_a_repeated_check_reuses_the_cached_answer_until_the_model_config_change
     monkeypatch.setenv("VERL_NPU_CACHE_DIR", str(tmp_path / "cache"))
     third = run_preflight(LAUNCH, model_config=str(tmp_path / "glm"))
     assert third.verdict == "no-go"
+
+
+def test_without_the_fused_dsa_operators_the_chunked_dsa_patches_working_set_is_counted():
+    """Fused DSA flags off: verl-npu's dsa-* patches run DSA in query chunks (no [s, s] buffer); still go."""
+    from verl_npu.ops.chunking import DSA_ATTENTION_CHUNK_ELEMENTS
+
+    otc = "actor_rollout_ref.actor.megatron.override_transformer_config"
+    flags = ("use_fused_lightning_indexer", "use_fused_sparse_flash_attention", "use_fused_lightning_indexer_kl_loss")
+    fused = run_preflight(LAUNCH)
+    chunked = run_preflight(LAUNCH, [f"{otc}.{flag}=False" for flag in flags])
+    assert chunked.verdict == "go", failures(chunked)
+    plan = next(c for c in chunked.checks if c.name == "actor-build-plan").message
+    assert "dsa_fused_ascend" not in plan and "dsa" in plan
+    stages = zip(fused.memory.stages, chunked.memory.stages, strict=True)
+    grew = [b.train["activations"] - a.train["activations"] for a, b in stages]
+    # one query chunk's working set (four fp32 score-sized tensors at most) in place of the fused operators'
+    # saved softmax statistics: a bounded difference, where megatron's dense DSA would add 256 GiB per layer
+    assert max(grew) > 0 and all(0 <= g <= 4 * 4 * DSA_ATTENTION_CHUNK_ELEMENTS for g in grew), grew

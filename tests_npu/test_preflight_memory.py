@@ -255,3 +255,28 @@ def test_a_plan_that_exceeds_hbm_without_offload_fits_with_it():
     with_offload = glm5(Precision(), offload=True)
     assert with_offload.fits
     assert all(with_offload.headroom(s)["rollout"] >= 0 for s in with_offload.stages)
+
+
+def test_dsa_attention_holds_no_s_by_s_buffer_on_either_verl_npu_path():
+    """DSAttention replaces megatron's DotProductAttention; fused (MindSpeed) or chunked (verl-npu's patches)."""
+    from transformers import GlmMoeDsaConfig
+
+    from verl_npu.ops.chunking import DSA_ATTENTION_CHUNK_ELEMENTS
+
+    glm5 = ModelShape.from_hf(GlmMoeDsaConfig())  # 64 heads, 32 indexer heads
+
+    def activations(seq_len, **kw):
+        act = Activations(seq_len=seq_len, num_microbatches=1, **kw)
+        return estimate(glm5, Parallelism(tp=8, pp=13, ep=8), activations=act).stages[1].train["activations"]
+
+    for kernel in ("fused", "chunked"):
+        for attention in ("flash", "unfused"):  # DotProductAttention's kernel does not apply to DSA layers
+            short, long = activations(16384, dsa_kernel=kernel), activations(32768, dsa_kernel=kernel)
+            assert activations(32768, dsa_kernel=kernel, attention_kernel=attention) == long
+            assert 1.9 < long / short < 2.1, (kernel, long / short)  # linear in s: no [s, s] term
+    # the two differ by the fused operators' saved softmax statistics against one chunk's working set
+    # (at most four fp32 score-sized tensors of the attention's chunk budget), not by any [s, s] buffer
+    chunked, fused = activations(32768, dsa_kernel="chunked"), activations(32768, dsa_kernel="fused")
+    assert chunked != fused and abs(chunked - fused) <= 4 * 4 * DSA_ATTENTION_CHUNK_ELEMENTS
+    with pytest.raises(ValueError, match="dsa_kernel 'dense': use 'fused' or 'chunked'"):
+        activations(1024, dsa_kernel="dense")

@@ -23,9 +23,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-# Elements of one chunk's working set (mask, or per-head scores where SDPA falls back to its math
-# kernel): 2**27 keeps a 32k-token chunk at 2048 query rows on CUDA (64 MiB mask).
-CHUNK_BUDGET_ELEMENTS = 2**27
+from verl_npu.ops.chunking import DSA_ATTENTION_CHUNK_ELEMENTS
+
+CHUNK_BUDGET_ELEMENTS = DSA_ATTENTION_CHUNK_ELEMENTS
 
 
 def _chunk_rows(sq: int, skv: int, heads: int, topk: int, budget_elements: int, fused_mask_kernel: bool) -> int:

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import torch
 
+from verl_npu.ops.chunking import DSA_INDEXER_CHUNK_ELEMENTS
+
 
 def indexer_topk(
     q: torch.Tensor,
@@ -20,7 +22,7 @@ def indexer_topk(
     topk: int,
     *,
     causal: bool = True,
-    chunk_budget_elements: int = 2**27,
+    chunk_budget_elements: int = DSA_INDEXER_CHUNK_ELEMENTS,
 ) -> torch.Tensor:
     """Top-k key indices [b, sq, min(topk, skv)] for q [sq, b, h, d], k [skv, b, d], weights [sq, b, h]."""
     sq, b, heads, dim = q.shape

@@ -34,9 +34,11 @@ from __future__ import annotations
 
 import torch
 
+from verl_npu.ops.chunking import DSA_INDEXER_LOSS_CHUNK_ELEMENTS
+
 EPS = 1e-10  # megatron's: inside both logs of the KL term and in its gradient
 # Elements of one chunk's fp32 scores (attention heads + indexer heads, times rows, times keys).
-CHUNK_BUDGET_ELEMENTS = 2**26
+CHUNK_BUDGET_ELEMENTS = DSA_INDEXER_LOSS_CHUNK_ELEMENTS
 
 
 def _check(q, weights, k, query, key, topk_indices) -> None:

@@ -24,8 +24,11 @@ Assumptions (each one a reading of megatron-core 0.18 / verl 0.9.1 / verl_npu, o
     holds the bf16 scores and an fp32 working copy besides, backward an fp32 gradient, the input
     gradient and softmax backward's same-size workspace (seen on CUDA); a [b*heads/tp, s, s] bf16
     buffer persists (megatron's global memory buffer: "workspace"). ``"flash"`` (Ascend
-    npu_fusion_attention, fused DSA): q, k, v, output and softmax statistics only (DSA: the
-    O(s * index_topk) indices; its unfused reference adds [b, s, s] index scores). MoE: balanced
+    npu_fusion_attention): q, k, v, output and softmax statistics only. DSA models replace that
+    core attention with DSAttention, which on verl-npu never holds an [s, s] buffer:
+    ``dsa_kernel="fused"`` (MindSpeed's operators) saves softmax statistics, ``"chunked"`` (the
+    dsa-* runtime patches over verl_npu.ops) one query chunk's working set at a time (budgets in
+    verl_npu.ops.chunking); both save the O(s * index_topk) indices. MoE: balanced
     routing, s*b*topk*etp/sp token copies per rank's experts. Sequence parallel divides what norms
     and linears save by TP; CP divides s. bench/memory_estimate.py checks all this against
     megatron-core on a GPU (bench/results/memory_estimate_h200.json).
@@ -176,6 +179,8 @@ class Activations:
     recompute_method: str | None = None  # "uniform" or "block" (full recompute)
     recompute_num_layers: int | None = None
     attention_kernel: str = "flash"  # "flash" (fused, no s^2 buffers) or "unfused" (megatron local)
+    # DSA models: "fused" (MindSpeed's fused DSA operators) or "chunked" (verl-npu's dsa-* runtime patches)
+    dsa_kernel: str = "fused"
     attention_dropout: float = 0.0
     hidden_dropout: float = 0.0
 
@@ -311,20 +316,37 @@ def _attention(m: ModelShape, z: _Sizes, act: Activations) -> tuple[float, float
     saved += 8 * s * m.qk_rope_head_dim if m.mla else 8 * s * m.head_dim  # RoPE cos / sin in bf16, for q and k
     v_dim = m.v_head_dim if m.mla else m.head_dim
     saved += 2 * a * v_dim * tokens  # attention output (output projection input)
+    if m.dsa:
+        return _dsa_core_attention(m, z, act, a, saved, transient)
     scores = b * a * s * s
     if not unfused:
         return saved + 64 * a * tokens, transient, 0  # + softmax max / sum ([b, n, s, 8] fp32 each on Ascend)
     drop = act.attention_dropout > 0
     probs = (4 + 2 + 3 * drop) * scores + s * s  # fp32 softmax, bf16 probs (+ mask, dropped probs), causal mask
-    if m.dsa:
-        probs += 4 * b * s * s  # reference indexer: [b, s, s] index scores
-        transient += 4 * m.index_n_heads * b * s * s  # index scores per indexer head
     # forward: the bf16 scores and their fp32 working copy next to the probs; backward (measured on CUDA): fp32
     # softmax output, its fp32 gradient, the input gradient and softmax backward's workspace of the same size
     backward = 16 * scores + s * s
     if act.recompute_granularity == "selective":  # core attention recomputed: probs live only transiently
         return saved, max(transient + probs + 6 * scores, backward), 2 * scores
     return saved + probs, max(transient + 6 * scores, backward - probs), 2 * scores
+
+
+def _dsa_core_attention(m: ModelShape, z: _Sizes, act: Activations, a: float, saved: float, transient: float):
+    """DSAttention in place of DotProductAttention: no [s, s] buffer on either verl-npu path.
+
+    Fused (MindSpeed's operators): softmax statistics besides what the block saves. Chunked
+    (verl-npu's dsa-* runtime patches, verl_npu.ops): nothing but q, k, v and the top-k indices is
+    saved; a query chunk at a time holds at most four fp32 score-sized tensors of the attention's
+    chunk budget (forward, and backward's recompute) or two of the indexer top-k's.
+    """
+    from verl_npu.ops.chunking import DSA_ATTENTION_CHUNK_ELEMENTS, DSA_INDEXER_CHUNK_ELEMENTS
+
+    s, b = z.s, z.b
+    if act.dsa_kernel == "fused":
+        return saved + 64 * a * s * b, transient, 0
+    attention_chunk = 4 * 4 * min(DSA_ATTENTION_CHUNK_ELEMENTS, b * a * s * s)
+    indexer_chunk = 2 * 4 * min(DSA_INDEXER_CHUNK_ELEMENTS, b * m.index_n_heads * s * s)
+    return saved, max(transient, attention_chunk, indexer_chunk), 0
 
 
 def _mlp(m: ModelShape, z: _Sizes, moe: bool) -> float:
@@ -400,6 +422,8 @@ def estimate(
     act, off = activations or Activations(), offload or Offload()
     if act.attention_kernel not in ("flash", "unfused"):
         raise ValueError(f"attention_kernel {act.attention_kernel!r}: use 'flash' or 'unfused'")
+    if act.dsa_kernel not in ("fused", "chunked"):
+        raise ValueError(f"dsa_kernel {act.dsa_kernel!r}: use 'fused' or 'chunked'")
     if act.recompute_granularity not in (None, "selective", "full"):
         raise ValueError(f"recompute_granularity {act.recompute_granularity!r}: use None, 'selective' or 'full'")
     if shape.num_experts and shape.num_experts % p.ep:

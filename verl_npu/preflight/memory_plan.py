@@ -12,6 +12,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+from verl_npu.engine.build_plan import DSA_FUSED_FLAGS
 from verl_npu.preflight.checks import FAIL, OK, WARN, Check
 from verl_npu.preflight.memory import Activations, GiB, MemoryEstimate, Offload, Parallelism, Precision, estimate
 from verl_npu.preflight.mesh import TrainMesh
@@ -74,6 +75,8 @@ def estimate_launch(
         seq = int(data["max_prompt_length"]) + int(data["max_response_length"])
         microbatches = max(int(actor["ppo_mini_batch_size"]) * n // max(mesh.dp, 1) // micro, 1)
     flash = platform == "ascend" and otc.get("use_flash_attn", True) is not False
+    # MindSpeed replaces DSAttention only with its fused DSA operators on; otherwise verl-npu's chunked patches run
+    fused_dsa = platform == "ascend" and all(otc.get(flag) is True for flag in DSA_FUSED_FLAGS)
     parallelism = Parallelism(
         tp=mesh.tp,
         pp=mesh.pp,
@@ -105,6 +108,7 @@ def estimate_launch(
         recompute_method=otc.get("recompute_method"),
         recompute_num_layers=otc.get("recompute_num_layers"),
         attention_kernel="flash" if flash else "unfused",
+        dsa_kernel="fused" if fused_dsa else "chunked",
     )
     offload = Offload(
         param_offload=bool(mcore.get("param_offload")), optimizer_offload=bool(mcore.get("optimizer_offload"))

@@ -59,7 +59,7 @@ def test_no_grad_log_probs_pick_the_indexer_top_k_without_dense_scores(cpu_megat
 
     from verl_npu import megatron_adaptor
     from verl_npu.patching import APPLIED
-    from verl_npu.runtime_patches import dsa_indexer_topk_eval
+    from verl_npu.runtime_patches import dsa_call_context, dsa_indexer_topk_eval
 
     tensor_parallel.model_parallel_cuda_manual_seed(3)
     model = build_glm5_model(
@@ -92,7 +92,8 @@ def test_no_grad_log_probs_pick_the_indexer_top_k_without_dense_scores(cpu_megat
     causal = torch.triu(torch.full((24, 24), float("-inf")), diagonal=1)
     with torch.no_grad():
         scores, topk = indexer.forward_with_scores(x, qr, mask=causal)
-        chunked = indexer(x, qr, mask=causal)  # DSAIndexer.forward discards the scores: the chunked path
+        with dsa_call_context.dsa_attention_call(causal=True):  # as inside DSAttention's causal forward
+            chunked = indexer(x, qr, mask=causal)  # DSAIndexer.forward discards the scores: the chunked path
     assert dense_calls == [1] and scores.shape == (2, 24, 24)
     for b in range(2):  # the same keys by score (ties aside)
         torch.testing.assert_close(scores[b].gather(-1, chunked[b]).sort(-1).values,

@@ -22,6 +22,7 @@ def test_cpu_tensors_get_the_portable_backend_and_forcing_a_missing_one_fails_lo
     monkeypatch.setenv("VERL_NPU_OPS_BACKEND", "ascend")
     with pytest.raises(RuntimeError, match="op rms_norm has no ascend kernel for cpu tensors"):
         dispatch.backend_for("rms_norm", cpu)
+    assert dispatch.backend_for("hadamard_transform", cpu) == "portable"  # it has no ascend kernel: as usual
     monkeypatch.setenv("VERL_NPU_OPS_BACKEND", "cuda")
     with pytest.raises(ValueError, match="VERL_NPU_OPS_BACKEND='cuda': choose one of ascend, triton, portable"):
         dispatch.backend_for("rms_norm", cpu)
@@ -124,20 +125,22 @@ def test_dsa_attention_on_triton_picks_the_kernel_by_key_heads_and_head_dim(monk
         monkeypatch.setattr(module, name, lambda *args, _name=name: calls.append(_name) or "out")
     monkeypatch.delenv("VERL_NPU_OPS_BACKEND", raising=False)
     monkeypatch.setenv("TRITON_INTERPRET", "1")  # makes the triton backend usable for CPU tensors
+    monkeypatch.setattr(dispatch, "_FALLBACKS_LOGGED", set())
     idx = torch.zeros(1, 4, 2, dtype=torch.long)
 
-    def attend(heads, kv_heads, hn, hnv):
-        q = torch.zeros(4, 1, heads, hn)
-        return dispatch.dsa_sparse_attention(
-            q, torch.zeros(4, 1, kv_heads, hn), torch.zeros(4, 1, kv_heads, hnv), idx, 1.0
-        )
+    def attend(heads, kv_heads, hn, hnv, dtype=torch.float32):
+        q = torch.zeros(4, 1, heads, hn, dtype=dtype)
+        k, v = torch.zeros(4, 1, kv_heads, hn, dtype=dtype), torch.zeros(4, 1, kv_heads, hnv, dtype=dtype)
+        return dispatch.dsa_sparse_attention(q, k, v, idx, 1.0)
 
     attend(8, 1, 576, 512)
     attend(8, 8, 256, 256)
     with caplog.at_level("WARNING", logger="verl_npu.ops.dispatch"):
         attend(8, 8, 320, 256)
-    assert calls == ["sparse_attention_mqa_triton", "sparse_attention_triton", "sparse_attention"]
+        attend(8, 1, 64, 64, dtype=torch.float64)
+    assert calls == ["sparse_attention_mqa_triton", "sparse_attention_triton", "sparse_attention", "sparse_attention"]
     assert "head dims 320/256: the tiled Triton kernel is built for head dims up to 256" in caplog.text
+    assert "dtypes torch.float64/torch.float64/torch.float64: the Triton kernels take one of bf16" in caplog.text
     monkeypatch.setenv("VERL_NPU_OPS_BACKEND", "triton")
     with pytest.raises(RuntimeError, match="VERL_NPU_OPS_BACKEND=triton: dsa_sparse_attention: per-head keys"):
         attend(8, 8, 320, 256)

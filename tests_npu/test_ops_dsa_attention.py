@@ -121,3 +121,15 @@ def test_padding_after_a_selected_key_does_not_unselect_it():
     out = sparse_attention(q, k, v, idx, 0.5)
     # a single selected key: the softmax puts all weight on it, so the output is exactly v[0]
     torch.testing.assert_close(out[5], v[0].reshape(1, -1))
+
+
+def test_chunks_shrink_with_the_batch_so_one_chunk_stays_within_the_budget():
+    from verl_npu.ops.dsa_attention import CHUNK_BUDGET_ELEMENTS, _chunk_rows
+
+    s, heads, topk = 32768, 64, 2048
+    for b in (1, 8):
+        fused = _chunk_rows(s, s, b, heads, topk, CHUNK_BUDGET_ELEMENTS, fused_mask_kernel=True)
+        math = _chunk_rows(s, s, b, heads, topk, CHUNK_BUDGET_ELEMENTS, fused_mask_kernel=False)
+        assert fused * b * s <= CHUNK_BUDGET_ELEMENTS and math * b * heads * s <= CHUNK_BUDGET_ELEMENTS
+    assert _chunk_rows(s, s, 1, heads, topk, CHUNK_BUDGET_ELEMENTS, True) == 2048  # capped by top-k
+    assert _chunk_rows(s, s, 8, heads, topk, CHUNK_BUDGET_ELEMENTS, True) == 512

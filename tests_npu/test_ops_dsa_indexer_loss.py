@@ -293,7 +293,7 @@ def test_megatrons_dsa_attention_gives_the_same_loss_and_gradients_with_the_patc
 def test_the_patch_leaves_coefficient_zero_and_padding_masks_to_megatrons_class():
     from megatron.core.transformer.experimental_attention_variant import dsa
 
-    from verl_npu.runtime_patches import dsa_indexer_loss
+    from verl_npu.runtime_patches import dsa_call_context, dsa_indexer_loss
 
     calls = []
 
@@ -309,8 +309,13 @@ def test_the_patch_leaves_coefficient_zero_and_padding_masks_to_megatrons_class(
     padding = torch.zeros(1, 8, 8)
     assert patched.apply(q, weights, k, query, key, 0.3, 4, 0.0, causal, False, NO_TP) == "megatron"
     assert patched.apply(q, weights, k, query, key, 0.3, 4, 0.5, padding, False, NO_TP) == "megatron"
-    assert len(calls) == 2
-    idx, loss = patched.apply(q, weights, k, query, key, 0.3, 4, 0.5, causal, True, NO_TP)
-    assert len(calls) == 2 and idx.shape == (1, 8, 4)
+    # outside DSAttention, or inside it with a non-causal mask type, a 2-D mask may be a b=1 padding mask
+    assert patched.apply(q, weights, k, query, key, 0.3, 4, 0.5, causal, False, NO_TP) == "megatron"
+    with dsa_call_context.dsa_attention_call(causal=False):
+        assert patched.apply(q, weights, k, query, key, 0.3, 4, 0.5, causal, False, NO_TP) == "megatron"
+    assert len(calls) == 4
+    with dsa_call_context.dsa_attention_call(causal=True):
+        idx, loss = patched.apply(q, weights, k, query, key, 0.3, 4, 0.5, causal, True, NO_TP)
+    assert len(calls) == 4 and idx.shape == (1, 8, 4)
     torch.testing.assert_close(loss, megatron(q, weights, k, query, key, 4, 0.3, 0.5, True, 1.0)[1])
     assert issubclass(dsa_indexer_loss.PATCH.build(dsa.FusedDSAIndexerLoss), torch.autograd.Function)

@@ -12,7 +12,13 @@ import torch
 from verl_npu import megatron_adaptor
 from verl_npu.ops.hadamard import hadamard_matrix, hadamard_transform
 from verl_npu.patching import APPLIED, SKIPPED, Patch
-from verl_npu.runtime_patches import dsa_hadamard_fallback, dsa_local_spec, ray_runtime_env, rope_cpu_init
+from verl_npu.runtime_patches import (
+    dsa_call_context,
+    dsa_hadamard_fallback,
+    dsa_local_spec,
+    ray_runtime_env,
+    rope_cpu_init,
+)
 
 
 @contextlib.contextmanager
@@ -233,7 +239,7 @@ def test_dsa_attention_is_replaced_by_the_sparse_one_with_the_same_result():
     torch.testing.assert_close(dsa.unfused_dsa_fn(q, k, v, idx, 0.25), dense, atol=1e-5, rtol=1e-5)
 
 
-def test_the_indexer_loss_is_skipped_exactly_when_its_coefficient_is_zero():
+def test_the_indexer_loss_is_skipped_exactly_when_its_coefficient_is_zero(monkeypatch):
     import types
 
     from megatron.core.transformer.experimental_attention_variant import dsa
@@ -255,7 +261,15 @@ def test_the_indexer_loss_is_skipped_exactly_when_its_coefficient_is_zero():
         with_loss = dsa.fwd_fused_indexer_loss_naive(*args, 0.5, mask, False, group)
     for patch in dsa_indexer_without_loss.PATCHES:
         applied(patch)
-    idx, loss = dsa.fwd_fused_indexer_loss_naive(*args, 0.0, mask, False, group)
+    # outside DSAttention a 2-D mask might be a b=1 padding mask: megatron's code, dense scores and all
+    dense = []
+    naive = dsa.fused_qk_topk_naive
+    monkeypatch.setattr(dsa, "fused_qk_topk_naive", lambda *a, **k: dense.append(1) or naive(*a, **k))
+    outside, _ = dsa.fwd_fused_indexer_loss_naive(*args, 0.0, mask, False, group)
+    assert dense == [1] and torch.equal(outside, ref_idx)
+    with dsa_call_context.dsa_attention_call(causal=True):  # what DSAttention's causal forward records
+        idx, loss = dsa.fwd_fused_indexer_loss_naive(*args, 0.0, mask, False, group)
+    assert dense == [1]
     scores = dsa._compute_index_scores(q, weights, k) + mask
     for bb in range(b):  # the same keys by score (ties aside), and a zero loss
         torch.testing.assert_close(scores[bb].gather(-1, idx[bb]).sort(-1).values,

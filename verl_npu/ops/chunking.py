@@ -1,7 +1,9 @@
 """How much the chunked DSA backends hold per query chunk (torch-free, so preflight can read it).
 
 Each bounds the elements of one chunk's score-sized working tensors; the ops size their query
-chunks to it, and preflight's memory model (verl_npu.preflight.memory) counts the same bound.
+chunks to it. Preflight's memory model (verl_npu.preflight.memory), which describes Ascend, counts
+the attention and indexer top-k bounds; the KL loss's only matters when the indexer is trained
+(dsa_indexer_loss_coeff > 0; verl-npu's GLM-5 bridge sets 0) and is not counted there.
 """
 
 # DSA sparse attention, portable backend: a chunk's mask (CUDA's SDPA takes it fused) or, where SDPA

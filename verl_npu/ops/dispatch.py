@@ -3,7 +3,8 @@
 Backends: ``ascend`` (torch_npu's fused operators, NPU tensors), ``triton`` (CUDA tensors, Triton
 installed), ``portable`` (plain PyTorch; NPU, CUDA and CPU; the numerical reference). An op without
 a kernel for the preferred backend falls through to the next. ``VERL_NPU_OPS_BACKEND`` forces one
-backend for every op (it must be available for the tensors' device, or the call fails loudly).
+backend for every op that has it (it must be available for the tensors' device, or the call fails
+loudly); ops without that backend choose as usual.
 
 A fused Ascend operator takes a narrower set of inputs than its op's contract (e.g.
 npu_sparse_flash_attention takes absorbed-MLA keys only, megatron passes per-head ones). Its
@@ -20,6 +21,7 @@ import functools
 import importlib.util
 import logging
 import os
+import re
 
 import torch
 
@@ -36,6 +38,7 @@ OPS = {
 }
 # the tiled Triton DSA kernel's tiles are sized for GLM-5's per-head dims (256); beyond, portable runs
 TRITON_TILED_MAX_HEAD_DIM = 256
+TRITON_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
 @functools.cache
@@ -60,18 +63,27 @@ def backend_for(op: str, device: torch.device) -> str:
     if forced:
         if forced not in BACKENDS:
             raise ValueError(f"VERL_NPU_OPS_BACKEND={forced!r}: choose one of {', '.join(BACKENDS)}")
-        if forced not in OPS[op] or not _usable(forced, device):
-            raise RuntimeError(
-                f"VERL_NPU_OPS_BACKEND={forced}: op {op} has no {forced} kernel for {device.type} tensors "
-                f"(it has: {', '.join(OPS[op])}); unset it to choose automatically"
-            )
-        return forced
+        # an op without that backend at all chooses as usual (a model also runs ops that only one backend
+        # has, e.g. the Hadamard transform); an op that has it must be able to run it on these tensors
+        if forced in OPS[op]:
+            if not _usable(forced, device):
+                raise RuntimeError(
+                    f"VERL_NPU_OPS_BACKEND={forced}: op {op} has no {forced} kernel for {device.type} tensors "
+                    f"(it has: {', '.join(OPS[op])}); unset it to choose automatically"
+                )
+            return forced
     return next(b for b in OPS[op] if _usable(b, device))
 
 
-@functools.cache
+_FALLBACKS_LOGGED: set[tuple[str, str]] = set()
+
+
 def _log_fallback(op: str, reason: str) -> None:
-    logger.warning("verl_npu.ops: %s runs its portable backend: %s", op, reason)
+    """Log the first time an op falls back for this kind of reason (shapes aside: sequence lengths vary)."""
+    kind = (op, re.sub(r"\d+", "#", reason))
+    if kind not in _FALLBACKS_LOGGED:
+        _FALLBACKS_LOGGED.add(kind)
+        logger.warning("verl_npu.ops: %s runs its portable backend: %s", op, reason)
 
 
 def _ascend(op: str, call):
@@ -118,18 +130,22 @@ def dsa_sparse_attention(query, key, value, topk_indices, softmax_scale):
         if out is not None:
             return out
     if backend == "triton":
-        if key.shape[2] == 1:  # one key head shared by every query head (absorbed MLA / MQA): gather kernel
+        dtypes = {query.dtype, key.dtype, value.dtype}
+        if len(dtypes) != 1 or query.dtype not in TRITON_DTYPES:
+            reason = f"dtypes {query.dtype}/{key.dtype}/{value.dtype}: the Triton kernels take one of bf16, fp16, fp32"
+        elif key.shape[2] == 1:  # one key head shared by every query head (absorbed MLA / MQA): gather kernel
             from verl_npu.ops.dsa_attention_mqa_triton import sparse_attention_mqa_triton
 
             return sparse_attention_mqa_triton(query, key, value, topk_indices, softmax_scale)
-        if max(query.shape[-1], value.shape[-1]) <= TRITON_TILED_MAX_HEAD_DIM:
+        elif max(query.shape[-1], value.shape[-1]) <= TRITON_TILED_MAX_HEAD_DIM:
             from verl_npu.ops.dsa_attention_triton import sparse_attention_triton
 
             return sparse_attention_triton(query, key, value, topk_indices, softmax_scale)
-        reason = (
-            f"per-head keys with head dims {query.shape[-1]}/{value.shape[-1]}: the tiled Triton kernel is built "
-            f"for head dims up to {TRITON_TILED_MAX_HEAD_DIM} (larger tiles overflow shared memory)"
-        )
+        else:
+            reason = (
+                f"per-head keys with head dims {query.shape[-1]}/{value.shape[-1]}: the tiled Triton kernel is "
+                f"built for head dims up to {TRITON_TILED_MAX_HEAD_DIM} (larger tiles overflow shared memory)"
+            )
         if os.environ.get("VERL_NPU_OPS_BACKEND") == "triton":
             raise RuntimeError(f"VERL_NPU_OPS_BACKEND=triton: dsa_sparse_attention: {reason}; unset it")
         _log_fallback("dsa_sparse_attention", reason)

@@ -28,13 +28,13 @@ from verl_npu.ops.chunking import DSA_ATTENTION_CHUNK_ELEMENTS
 CHUNK_BUDGET_ELEMENTS = DSA_ATTENTION_CHUNK_ELEMENTS
 
 
-def _chunk_rows(sq: int, skv: int, heads: int, topk: int, budget_elements: int, fused_mask_kernel: bool) -> int:
+def _chunk_rows(sq: int, skv: int, b: int, heads: int, topk: int, budget_elements: int, fused_mask_kernel: bool) -> int:
     """Query rows per chunk: at most topk (O(s * topk) memory) and within the element budget.
 
-    Where SDPA has a fused kernel that takes a mask (CUDA) a row costs its mask; elsewhere SDPA may
-    materialise fp32 scores for every head, so a row costs ``heads * skv``.
+    Where SDPA has a fused kernel that takes a mask (CUDA) a row costs its mask, once per sequence of
+    the batch; elsewhere SDPA may materialise fp32 scores for every head too, so ``b * heads * skv``.
     """
-    per_row = skv if fused_mask_kernel else heads * skv
+    per_row = b * skv if fused_mask_kernel else b * heads * skv
     return max(1, min(sq, topk, budget_elements // max(per_row, 1)))
 
 
@@ -132,7 +132,7 @@ def sparse_attention(
         )
     topk = topk_indices.shape[-1]
     fused = query.device.type == "cuda"
-    chunk = _chunk_rows(sq, skv, b * heads, topk, chunk_budget_elements, fused)
+    chunk = _chunk_rows(sq, skv, b, heads, topk, chunk_budget_elements, fused)
     # [s, b, np, d] -> [b, np, s, d] views: SDPA takes strided inputs, so nothing is copied
     q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))
     result = _SparseAttention.apply(q, k, v, topk_indices, float(softmax_scale), chunk)

@@ -223,7 +223,6 @@ def _backward(
 # double-buffered key blocks sit in shared memory (221 KB at 64 keys when value is key's prefix; a
 # separate value tile doubles the blocks, so 32 keys then). Backward keeps a [BLOCK_H, 576] fp32 dQ
 # and needs Q, dO and the key blocks in shared memory: 64 heads exceed the 227 KB, so it takes 32.
-# Atomics are not its bottleneck: plain stores in their place (wrong, timing only) ran no faster.
 FORWARD_CONFIG = (64, 64, 8, 2)
 FORWARD_CONFIG_SEPARATE_VALUE = (64, 32, 8, 2)
 BACKWARD_CONFIG = (32, 32, 8, 2)
@@ -294,7 +293,10 @@ class _SparseAttentionMQA(torch.autograd.Function):
         config = FORWARD_CONFIG if v_from_k else FORWARD_CONFIG_SEPARATE_VALUE
         block_h, block_n, warps, stages = _config(config, query.dtype, heads)
         head_blocks = triton.cdiv(heads, block_h)
-        out = torch.empty(sq, b, heads, hnv, dtype=value.dtype, device=value.device)
+        # the result is returned whole (a returned view of a saved tensor would refuse in-place use
+        # downstream); the kernel writes it through a [sq, b, heads, hnv] view
+        result = torch.empty(sq, b, heads * hnv, dtype=value.dtype, device=value.device)
+        out = result.view(sq, b, heads, hnv)
         lse = torch.empty(sq, b, heads, dtype=torch.float32, device=query.device)
         _forward[(sq * head_blocks, b)](
             query, key, value, idx, count, out, lse,
@@ -305,17 +307,18 @@ class _SparseAttentionMQA(torch.autograd.Function):
             DA=d_a, DB=d_b, DV=d_v, HAS_B=has_b, V_FROM_K=v_from_k, INTERPRETED=_interpreted(),
             PRECISION=_precision(query.dtype), num_warps=warps, num_stages=stages,
         )  # fmt: skip
-        ctx.save_for_backward(query, key, value, idx, count, out, lse)
+        ctx.save_for_backward(query, key, value, idx, count, result, lse)
         ctx.scale = scale
         ctx.v_from_k = v_from_k
         ctx.merge_dv = v_from_k and all(ctx.needs_input_grad[1:3]) and _gradient_reaches_key(key, value)
-        return out.view(sq, b, heads * hnv)
+        return result
 
     @staticmethod
     def backward(ctx, grad_out):
-        query, key, value, idx, count, out, lse = ctx.saved_tensors
+        query, key, value, idx, count, result, lse = ctx.saved_tensors
         sq, b, heads, hn = query.shape
         skv, hnv = key.shape[0], value.shape[-1]
+        out = result.view(sq, b, heads, hnv)
         d_a, d_b, d_v, has_b = _head_dims(hn, hnv)
         do = grad_out.reshape(sq, b, heads, hnv).contiguous()
         delta = (do.float() * out.float()).sum(-1)  # [sq, b, np]
@@ -352,7 +355,10 @@ def sparse_attention_mqa_triton(
 ) -> torch.Tensor:
     """``unfused_dsa_fn``'s result for one shared key/value head ([sq, b, np * hnv], value's dtype); differentiable."""
     if query.dim() != 4 or key.dim() != 4 or value.dim() != 4:
-        raise ValueError("query, key and value must be [s, b, heads, dim]")
+        raise ValueError(
+            f"query {tuple(query.shape)}, key {tuple(key.shape)}, value {tuple(value.shape)}: "
+            "expected [s, b, heads, head_dim] each"
+        )
     sq, b, _, hn = query.shape
     skv = key.shape[0]
     if topk_indices.dim() != 3 or topk_indices.shape[:2] != (b, sq):
@@ -368,8 +374,10 @@ def sparse_attention_mqa_triton(
             f"key {tuple(key.shape)} / value {tuple(value.shape)} do not match query {tuple(query.shape)}: "
             f"expected [skv, b={b}, 1, {hn}] and [skv, b={b}, 1, hnv]"
         )
-    if not query.dtype == key.dtype == value.dtype:
-        raise ValueError(f"query, key and value dtypes differ: {query.dtype}, {key.dtype}, {value.dtype}")
+    if not query.dtype == key.dtype == value.dtype or query.dtype not in (torch.bfloat16, torch.float16, torch.float32):
+        raise ValueError(
+            f"query/key/value dtypes {query.dtype}/{key.dtype}/{value.dtype}: expected one of bf16, fp16, fp32 for all"
+        )
     if topk_indices.dtype.is_floating_point or topk_indices.dtype == torch.bool:
         raise ValueError(f"topk_indices must be integers, got {topk_indices.dtype}")
     if topk_indices.shape[-1] == 0:  # nothing selected: one padding slot gives every query its zero output

@@ -56,9 +56,8 @@ _LOG2E = math.log2(math.e)
 
 # Launch settings (BLOCK_M query rows, BLOCK_N keys, num_warps, num_stages), swept on nvidia-h200 at
 # GLM-5's shapes (64 heads, hn = hnv = 256, topk 2048 of causally masked random scores, bf16, s = 4096,
-# b = 1) among the candidates that fit sm_90's shared memory without heavy register spills:
-# forward 2.82 ms (next best (64, 32, 4, 2): 3.01), backward 6.54 ms with both below (dK/dV with
-# (64, 64, 8, 2): 7.21; dQ with (128, 32, 8, 2): 6.68). BLOCK_N is a multiple of 32 (whole bitmask words).
+# b = 1) among the candidates that fit sm_90's shared memory without heavy register spills; the fastest
+# of each kernel was kept. BLOCK_N is a multiple of 32 (whole bitmask words).
 FORWARD_CONFIG = (128, 64, 8, 2)
 BACKWARD_KV_CONFIG = (64, 32, 4, 2)
 BACKWARD_Q_CONFIG = (128, 64, 8, 1)
@@ -477,7 +476,10 @@ class _TritonSparseAttention(torch.autograd.Function):
         bits = _selection_bits(topk_indices, sq, skv)
         block_m, block_n, warps, stages = _config("forward", query)
         counts, blocks = _tile_lists(_occupancy(bits, block_m, block_n, skv))
-        out = torch.empty(sq, b, heads, hnv, dtype=value.dtype, device=value.device)
+        # the result is returned whole (a returned view of a saved tensor would refuse in-place use
+        # downstream); the kernel writes it through a [sq, b, heads, hnv] view
+        result = torch.empty(sq, b, heads * hnv, dtype=value.dtype, device=value.device)
+        out = result.view(sq, b, heads, hnv)
         lse = torch.empty(b, heads, sq, dtype=torch.float32, device=query.device)
         grid = (-(-sq // block_m), b * heads)
         _forward[grid](
@@ -486,17 +488,18 @@ class _TritonSparseAttention(torch.autograd.Function):
             BLOCK_M=block_m, BLOCK_N=block_n, **_dims(hn, hnv), PRECISION=_precision(query.dtype),
             INTERPRETED=_interpreted(), num_warps=warps, num_stages=stages,
         )  # fmt: skip
-        ctx.save_for_backward(query, key, value, out, lse, bits, counts, blocks)
+        ctx.save_for_backward(query, key, value, result, lse, bits, counts, blocks)
         ctx.scale = scale
         ctx.forward_blocks = (block_m, block_n)
-        return out.view(sq, b, heads * hnv)
+        return result
 
     @staticmethod
     def backward(ctx, grad_out):
-        query, key, value, out, lse, bits, fwd_counts, fwd_blocks = ctx.saved_tensors
+        query, key, value, result, lse, bits, fwd_counts, fwd_blocks = ctx.saved_tensors
         scale = ctx.scale
         sq, b, heads, hn = query.shape
         skv, kv_heads, hnv = key.shape[0], key.shape[2], value.shape[-1]
+        out = result.view(sq, b, heads, hnv)
         grad_out = _unit_last_stride(grad_out.reshape(sq, b, heads, hnv))
         dims = _dims(hn, hnv)
         precision, interpreted = _precision(query.dtype), _interpreted()
@@ -584,6 +587,9 @@ def sparse_attention_triton(
             f"query/key/value dtypes {query.dtype}/{key.dtype}/{value.dtype}: expected one of bf16, fp16, fp32 for all"
         )
     if not (query.device == key.device == value.device == topk_indices.device):
-        raise ValueError("query, key, value and topk_indices must be on one device")
+        raise ValueError(
+            f"query, key, value and topk_indices must be on one device; got {query.device}, {key.device}, "
+            f"{value.device}, {topk_indices.device}"
+        )
     query, key, value = (_unit_last_stride(t) for t in (query, key, value))
     return _TritonSparseAttention.apply(query, key, value, topk_indices, float(softmax_scale))

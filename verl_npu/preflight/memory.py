@@ -335,9 +335,11 @@ def _dsa_core_attention(m: ModelShape, z: _Sizes, act: Activations, a: float, sa
     """DSAttention in place of DotProductAttention: no [s, s] buffer on either verl-npu path.
 
     Fused (MindSpeed's operators): softmax statistics besides what the block saves. Chunked
-    (verl-npu's dsa-* runtime patches, verl_npu.ops): nothing but q, k, v and the top-k indices is
-    saved; a query chunk at a time holds at most four fp32 score-sized tensors of the attention's
-    chunk budget (forward, and backward's recompute) or two of the indexer top-k's.
+    (verl-npu's dsa-* runtime patches, verl_npu.ops, as they run on Ascend: the portable backend):
+    nothing but q, k, v and the top-k indices is saved; a query chunk at a time holds at most four
+    fp32 score-sized tensors of the attention's chunk budget (forward, and backward's recompute) or
+    two of the indexer top-k's. Not counted: the indexer KL loss's chunks (only with
+    dsa_indexer_loss_coeff > 0) and, on CUDA, the Triton kernel's saved selection bitmask (s^2/8 bytes).
     """
     from verl_npu.ops.chunking import DSA_ATTENTION_CHUNK_ELEMENTS, DSA_INDEXER_CHUNK_ELEMENTS
 

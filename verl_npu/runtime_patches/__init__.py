@@ -5,6 +5,7 @@ docs/patches.md is generated from this registry (`verl-npu patches --markdown`).
 """
 
 from verl_npu.runtime_patches import (
+    dsa_call_context,
     dsa_hadamard_fallback,
     dsa_indexer_loss,
     dsa_indexer_topk_eval,
@@ -19,6 +20,7 @@ from verl_npu.runtime_patches import (
 ALL = (
     ray_runtime_env.PATCH,
     dsa_hadamard_fallback.PATCH,
+    dsa_call_context.PATCH,
     dsa_sparse_attention.PATCH,
     *dsa_indexer_without_loss.PATCHES,
     dsa_indexer_loss.PATCH,

@@ -22,6 +22,7 @@ Remove when: megatron-core's DSA indexer loss no longer materialises dense [s, s
 from __future__ import annotations
 
 from verl_npu.patching import Patch
+from verl_npu.runtime_patches.dsa_call_context import causal_dsa_mask
 
 DSA_MODULE = "megatron.core.transformer.experimental_attention_variant.dsa"
 
@@ -32,8 +33,8 @@ def _build(original):
 
         @classmethod
         def apply(cls, q, weights, k, query, key, softmax_scale, topk, loss_coeff, mask, sparse_loss, pg_collection):
-            # DSAttention passes a 2-D float mask only from its causal branch ([sq, skv], -inf above the diagonal)
-            if loss_coeff <= 0 or mask is None or mask.dim() != 2:
+            # the chunked loss reproduces DSAttention's causal mask; any other mask is left to megatron
+            if loss_coeff <= 0 or mask is None or mask.dim() != 2 or not causal_dsa_mask():
                 return original.apply(
                     q, weights, k, query, key, softmax_scale, topk, loss_coeff, mask, sparse_loss, pg_collection
                 )

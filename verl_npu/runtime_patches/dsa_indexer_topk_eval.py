@@ -1,12 +1,12 @@
 """The DSA indexer's top-k without dense index scores where megatron discards them (log-probs, evaluation).
 
-Changes: wraps megatron-core's ``DSAttention.forward`` and ``DSAIndexer.forward`` so that, while
-they run, ``DSAIndexer.forward_with_scores`` (also wrapped) knows its scores will be thrown away:
-it then runs the indexer's own projections (``forward_before_topk``), picks the top-k with
-``verl_npu.ops.dispatch.dsa_indexer_topk`` (query chunks, O(chunk * s) memory) under DSAttention's
-causal mask (a 2-D ``[sq, skv]`` float mask) or no mask, and returns ``None`` in place of the
-``[b, s, s]`` index scores. A padding mask (3-D), or a call from anywhere else (a caller that wants
-the scores), runs megatron's code unchanged.
+Changes: wraps megatron-core's ``DSAIndexer.forward_with_scores``. Called from DSAttention.forward
+(its no-grad branch; see dsa-call-context) or from ``DSAIndexer.forward`` (also wrapped), whose
+callers never see the scores, it runs the indexer's own projections (``forward_before_topk``), picks
+the top-k with ``verl_npu.ops.dispatch.dsa_indexer_topk`` (query chunks, O(chunk * s) memory) under
+DSAttention's causal mask or without a mask, and returns ``None`` in place of the ``[b, s, s]``
+index scores. Any other mask, or a call from anywhere else (a caller that wants the scores), runs
+megatron's code unchanged.
 Why: RL computes old and reference log-probs without gradients, and there DSAttention takes its
 no-grad branch, ``_, topk_indices = self.indexer.forward_with_scores(...)``, whose
 ``fused_qk_topk_naive`` builds ``[s, b, index_heads, s]`` fp32 scores only to take their top-k:
@@ -22,10 +22,11 @@ import contextvars
 import functools
 
 from verl_npu.patching import Patch
+from verl_npu.runtime_patches.dsa_call_context import causal_dsa_mask, inside_dsa_attention
 
 DSA_MODULE = "megatron.core.transformer.experimental_attention_variant.dsa"
 
-# set while a megatron caller that discards forward_with_scores' scores is running
+# set while DSAIndexer.forward, which discards forward_with_scores' scores, is running
 _SCORES_DISCARDED = contextvars.ContextVar("verl_npu_dsa_index_scores_discarded", default=False)
 
 
@@ -44,13 +45,14 @@ def _discarding_caller(original):
 def _forward_with_scores(original):
     @functools.wraps(original)
     def forward_with_scores(self, x, qr, mask=None, packed_seq_params=None):
+        discarded = _SCORES_DISCARDED.get() or inside_dsa_attention()  # DSAttention only takes the top-k
+        known_mask = mask is None or (mask.dim() == 2 and causal_dsa_mask())
         # packed sequences: megatron refuses them here; keep its message
-        if not _SCORES_DISCARDED.get() or packed_seq_params is not None or (mask is not None and mask.dim() != 2):
+        if not (discarded and known_mask) or packed_seq_params is not None:
             return original(self, x, qr, mask, packed_seq_params)
         from verl_npu.ops import dispatch
 
         q, k, weights = self.forward_before_topk(x, qr, packed_seq_params)
-        # DSAttention's 2-D mask is its causal mask (-inf above the diagonal)
         topk_indices = dispatch.dsa_indexer_topk(q, k, weights, self.index_topk, causal=mask is not None)
         return None, topk_indices
 
@@ -73,15 +75,6 @@ FORWARD_WITH_SCORES = Patch(
     build=_forward_with_scores,
     **COMMON,
 )
-ATTENTION_CALLER = Patch(
-    id="dsa-indexer-topk-eval-attention",
-    target=f"{DSA_MODULE}:DSAttention.forward",
-    source_sha256="4ed023882ef6a032906cc5636f9def6169179307a67d3e2e99454b1e5a82bdbc",
-    upstream="megatron-core 0.18.0 transformer/experimental_attention_variant/dsa.py::DSAttention.forward "
-    "(its no-grad branch discards the index scores)",
-    build=_discarding_caller,
-    **COMMON,
-)
 INDEXER_CALLER = Patch(
     id="dsa-indexer-topk-eval-indexer",
     target=f"{DSA_MODULE}:DSAIndexer.forward",
@@ -91,4 +84,4 @@ INDEXER_CALLER = Patch(
     build=_discarding_caller,
     **COMMON,
 )
-PATCHES = (FORWARD_WITH_SCORES, ATTENTION_CALLER, INDEXER_CALLER)
+PATCHES = (FORWARD_WITH_SCORES, INDEXER_CALLER)

@@ -22,6 +22,7 @@ import functools
 import torch
 
 from verl_npu.patching import Patch
+from verl_npu.runtime_patches.dsa_call_context import causal_dsa_mask
 
 DSA_MODULE = "megatron.core.transformer.experimental_attention_variant.dsa"
 
@@ -31,8 +32,8 @@ def _forward(original):
     def fwd_fused_indexer_loss_naive(
         q, weights, k, query, key, topk, softmax_scale, loss_coeff, mask, sparse_loss, pg_collection
     ):
-        # DSAttention passes a 2-D float mask only from its causal branch ([sq, skv], -inf above the diagonal)
-        if loss_coeff != 0 or (mask is not None and mask.dim() != 2):
+        # the chunked top-k reproduces DSAttention's causal mask (or none); any other mask is left to megatron
+        if loss_coeff != 0 or (mask is not None and (mask.dim() != 2 or not causal_dsa_mask())):
             return original(
                 q, weights, k, query, key, topk, softmax_scale, loss_coeff, mask, sparse_loss, pg_collection
             )

@@ -2,7 +2,7 @@
 # Nightly (A3, 16 NPUs): GRPO on a small GLM-5-shaped model (MLA + DSA + MoE; config in
 # ci/nightly/models/glm5_small, random weights made by make_glm5_small.py) with the fused DSA
 # operators, fused RMSNorm, EP and offload. Run through ci/nightly/run_job.sh.
-# multinode_grpo.sh sets NNODES, EXPERT_PARALLEL, ROLLOUT_TP, TRAIN_BATCH_SIZE and EXPERIMENT and
+# multinode_grpo.sh sets the DSA_JOB_* values below (nodes, EP, rollout TP, batch, experiment) and
 # sources this file: one launch for both jobs.
 # preflight: --chip a3 --model-config ci/nightly/models/glm5_small
 set -euo pipefail
@@ -22,7 +22,7 @@ python3 -m verl.trainer.main_ppo --config-name=ppo_megatron_trainer \
     algorithm.adv_estimator=grpo \
     data.train_files="$DATA_ROOT/gsm8k/train.parquet" \
     data.val_files="$DATA_ROOT/gsm8k/test.parquet" \
-    data.train_batch_size="${TRAIN_BATCH_SIZE:-32}" \
+    data.train_batch_size="${DSA_JOB_TRAIN_BATCH_SIZE:-32}" \
     data.max_prompt_length=1024 \
     data.max_response_length=1024 \
     actor_rollout_ref.model.path="$MODEL_DIR" \
@@ -32,7 +32,7 @@ python3 -m verl.trainer.main_ppo --config-name=ppo_megatron_trainer \
     actor_rollout_ref.actor.optim.lr=1e-6 \
     $MEGATRON.tensor_model_parallel_size=2 \
     $MEGATRON.pipeline_model_parallel_size=2 \
-    $MEGATRON.expert_model_parallel_size="${EXPERT_PARALLEL:-4}" \
+    $MEGATRON.expert_model_parallel_size="${DSA_JOB_EXPERT_PARALLEL:-4}" \
     $MEGATRON.sequence_parallel=True \
     $MEGATRON.use_remove_padding=False \
     $MEGATRON.vanilla_mbridge=True \
@@ -47,15 +47,15 @@ python3 -m verl.trainer.main_ppo --config-name=ppo_megatron_trainer \
     actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu=4 \
     actor_rollout_ref.rollout.name=vllm \
     actor_rollout_ref.rollout.n=4 \
-    actor_rollout_ref.rollout.tensor_model_parallel_size="${ROLLOUT_TP:-4}" \
+    actor_rollout_ref.rollout.tensor_model_parallel_size="${DSA_JOB_ROLLOUT_TP:-4}" \
     actor_rollout_ref.rollout.gpu_memory_utilization=0.5 \
     actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=4 \
     trainer.device=npu \
-    trainer.nnodes="${NNODES:-1}" \
+    trainer.nnodes="${DSA_JOB_NNODES:-1}" \
     trainer.n_gpus_per_node=16 \
     trainer.logger='["console"]' \
     trainer.project_name=verl_npu_nightly \
-    trainer.experiment_name="${EXPERIMENT:-dsa_glm5_small}" \
+    trainer.experiment_name="${DSA_JOB_EXPERIMENT:-dsa_glm5_small}" \
     trainer.total_training_steps=15 \
     trainer.save_freq=-1 \
     trainer.test_freq=-1 \

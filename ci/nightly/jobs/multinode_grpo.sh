@@ -6,10 +6,10 @@
 # preflight: --chip a3 --model-config ci/nightly/models/glm5_small
 set -euo pipefail
 
-NNODES=2
-EXPERT_PARALLEL=8
-ROLLOUT_TP=8
-TRAIN_BATCH_SIZE=64
-EXPERIMENT=multinode_grpo
+DSA_JOB_NNODES=2
+DSA_JOB_EXPERT_PARALLEL=8
+DSA_JOB_ROLLOUT_TP=8
+DSA_JOB_TRAIN_BATCH_SIZE=64
+DSA_JOB_EXPERIMENT=multinode_grpo
 # shellcheck source=ci/nightly/jobs/dsa_glm5_small.sh
 source "${BASH_SOURCE[0]%/*}/dsa_glm5_small.sh"

@@ -66,6 +66,16 @@ def timed(fn, repeats: int) -> tuple[float, int]:
     return statistics.median(times), torch.cuda.max_memory_allocated() - base
 
 
+def measured(row: dict, step, repeats: int) -> dict:
+    """``row`` with step()'s median milliseconds and peak GiB, or the out-of-memory error it hit."""
+    try:
+        seconds, peak = timed(step, repeats)
+    except torch.OutOfMemoryError as exc:
+        torch.cuda.empty_cache()
+        return {**row, "error": f"OutOfMemoryError: {str(exc)[:200]}"}
+    return {**row, "fwd_bwd_ms": round(seconds * 1e3, 2), "peak_gib": round(peak / 2**30, 3)}
+
+
 def causal_topk(s: int, gen: torch.Generator) -> torch.Tensor:
     """[1, s, TOPK] int32: top-k of random causal scores (s <= 8k), else uniform draws in [0, i]."""
     if s <= 8192:
@@ -106,12 +116,7 @@ def dsa_case(name: str, fn, s: int, shape: dict, repeats: int, selection: str = 
         value = v if separate_value else k[..., :hnv]  # absorbed MLA: the value is the latent part of the key
         fn(q, k, value, idx, hn**-0.5).backward(grad)
 
-    try:
-        seconds, peak = timed(step, repeats)
-    except torch.OutOfMemoryError as exc:
-        torch.cuda.empty_cache()
-        return {**row, "error": f"OutOfMemoryError: {str(exc)[:200]}"}
-    return {**row, "fwd_bwd_ms": round(seconds * 1e3, 2), "peak_gib": round(peak / 2**30, 3)}
+    return measured(row, step, repeats)
 
 
 INDEXER = {"index_heads": 32, "index_head_dim": 128, "heads": 64, "head_dim": 256}
@@ -153,12 +158,7 @@ def indexer_loss_case(name: str, s: int, repeats: int) -> dict:
         loss.backward()
 
     row = {"backend": name, "s": s, "sparse_loss": True}
-    try:
-        seconds, peak = timed(step, repeats)
-    except torch.OutOfMemoryError as exc:
-        torch.cuda.empty_cache()
-        return {**row, "error": f"OutOfMemoryError: {str(exc)[:200]}"}
-    return {**row, "fwd_bwd_ms": round(seconds * 1e3, 2), "peak_gib": round(peak / 2**30, 3)}
+    return measured(row, step, repeats)
 
 
 def copy_bandwidth() -> float:

@@ -160,26 +160,16 @@ def test_leak_sentinel_zero_growth_with_detached_outputs_and_growth_without(devi
 
 def test_no_grad_log_probs_use_the_chunked_indexer_top_k_and_equal_megatrons(device, monkeypatch):
     """Old/ref log-probs (no gradients): DSAttention's eval branch with dsa-indexer-topk-eval equals megatron's own."""
-    from megatron.core.transformer.experimental_attention_variant import dsa
+    from support.runtime_patching import count_dense_index_scores, without
 
-    from verl_npu import megatron_adaptor
     from verl_npu.runtime_patches import dsa_indexer_topk_eval
 
     ddp, _optimizer = tiny_glm5(11)
     ddp.eval()
     tokens, positions = batch(0)
-    engine = megatron_adaptor.load().engine
-    for patch in dsa_indexer_topk_eval.PATCHES:
-        engine.revert(patch)
-    try:
-        with torch.no_grad():
-            reference = ddp(tokens, positions, None)
-    finally:
-        for patch in dsa_indexer_topk_eval.PATCHES:
-            engine.apply(patch)
-    dense_calls = []
-    naive = dsa.fused_qk_topk_naive
-    monkeypatch.setattr(dsa, "fused_qk_topk_naive", lambda *a, **k: dense_calls.append(1) or naive(*a, **k))
+    with without(*dsa_indexer_topk_eval.PATCHES), torch.no_grad():
+        reference = ddp(tokens, positions, None)
+    dense_calls = count_dense_index_scores(monkeypatch)
     with torch.no_grad():
         logits = ddp(tokens, positions, None)
     assert dense_calls == []

@@ -56,6 +56,7 @@ def test_no_grad_log_probs_pick_the_indexer_top_k_without_dense_scores(cpu_megat
     from megatron.core import tensor_parallel
     from megatron.core.transformer.experimental_attention_variant import dsa
     from megatron.core.transformer.module import Float16Module
+    from support.runtime_patching import count_dense_index_scores, without
 
     from verl_npu import megatron_adaptor
     from verl_npu.patching import APPLIED
@@ -68,20 +69,12 @@ def test_no_grad_log_probs_pick_the_indexer_top_k_without_dense_scores(cpu_megat
     wrapped = Float16Module(model.config, model).eval()
     tokens = torch.randint(0, 128, (2, 24))  # 24 tokens, top-k 8: the selection matters
     positions = torch.arange(24).unsqueeze(0).expand(2, -1)
+    with without(*dsa_indexer_topk_eval.PATCHES), torch.no_grad():
+        dense_logits = wrapped(tokens, positions, None)
     engine = megatron_adaptor.load().engine
-    for patch in dsa_indexer_topk_eval.PATCHES:
-        engine.revert(patch)
-    try:
-        with torch.no_grad():
-            dense_logits = wrapped(tokens, positions, None)
-    finally:
-        for patch in dsa_indexer_topk_eval.PATCHES:
-            engine.apply(patch)
     assert all(engine.record(p.id).status == APPLIED for p in dsa_indexer_topk_eval.PATCHES)
 
-    dense_calls = []
-    naive = dsa.fused_qk_topk_naive
-    monkeypatch.setattr(dsa, "fused_qk_topk_naive", lambda *a, **k: dense_calls.append(1) or naive(*a, **k))
+    dense_calls = count_dense_index_scores(monkeypatch)
     with torch.no_grad():
         logits = wrapped(tokens, positions, None)
     torch.testing.assert_close(logits, dense_logits)

@@ -3,15 +3,15 @@ the patch, then the fix with it. Patches go through the process's real layer (lo
 
 from __future__ import annotations
 
-import contextlib
 import importlib
 
 import pytest
 import torch
+from support.runtime_patching import applied, count_dense_index_scores, without
 
 from verl_npu import megatron_adaptor
 from verl_npu.ops.hadamard import hadamard_matrix, hadamard_transform
-from verl_npu.patching import APPLIED, SKIPPED, Patch
+from verl_npu.patching import APPLIED, SKIPPED
 from verl_npu.runtime_patches import (
     dsa_call_context,
     dsa_hadamard_fallback,
@@ -19,28 +19,6 @@ from verl_npu.runtime_patches import (
     ray_runtime_env,
     rope_cpu_init,
 )
-
-
-@contextlib.contextmanager
-def without(*patches: Patch):
-    """The upstream behaviour: revert our patches for the duration, re-apply them after."""
-    engine = megatron_adaptor.load().engine
-    for patch in patches:
-        importlib.import_module(patch.module)  # resolves a pending patch first
-        engine.revert(patch)
-    try:
-        yield
-    finally:
-        for patch in patches:
-            engine.apply(patch)
-
-
-def applied(patch: Patch) -> None:
-    engine = megatron_adaptor.load().engine
-    importlib.import_module(patch.module)
-    engine.apply(patch)
-    assert engine.record(patch.id).status == APPLIED, engine.record(patch.id)
-
 
 # --- Ray runtime env -----------------------------------------------------------------------------
 
@@ -262,9 +240,7 @@ def test_the_indexer_loss_is_skipped_exactly_when_its_coefficient_is_zero(monkey
     for patch in dsa_indexer_without_loss.PATCHES:
         applied(patch)
     # outside DSAttention a 2-D mask might be a b=1 padding mask: megatron's code, dense scores and all
-    dense = []
-    naive = dsa.fused_qk_topk_naive
-    monkeypatch.setattr(dsa, "fused_qk_topk_naive", lambda *a, **k: dense.append(1) or naive(*a, **k))
+    dense = count_dense_index_scores(monkeypatch)
     outside, _ = dsa.fwd_fused_indexer_loss_naive(*args, 0.0, mask, False, group)
     assert dense == [1] and torch.equal(outside, ref_idx)
     with dsa_call_context.dsa_attention_call(causal=True):  # what DSAttention's causal forward records

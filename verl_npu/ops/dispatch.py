@@ -78,8 +78,13 @@ def backend_for(op: str, device: torch.device) -> str:
 _FALLBACKS_LOGGED: set[tuple[str, str]] = set()
 
 
-def _log_fallback(op: str, reason: str) -> None:
-    """Log the first time an op falls back for this kind of reason (shapes aside: sequence lengths vary)."""
+def _fall_back(op: str, backend: str, reason: str) -> None:
+    """The portable backend runs instead of ``backend``: an error when that backend was forced, else logged
+    the first time an op falls back for this kind of reason (shapes aside: sequence lengths vary)."""
+    if os.environ.get("VERL_NPU_OPS_BACKEND") == backend:
+        raise RuntimeError(
+            f"VERL_NPU_OPS_BACKEND={backend}: {op}: {reason}; unset it to run these inputs on the portable backend"
+        )
     kind = (op, re.sub(r"\d+", "#", reason))
     if kind not in _FALLBACKS_LOGGED:
         _FALLBACKS_LOGGED.add(kind)
@@ -93,11 +98,7 @@ def _ascend(op: str, call):
     try:
         return call(ascend)
     except ascend.OperatorUnfit as unfit:
-        if os.environ.get("VERL_NPU_OPS_BACKEND") == "ascend":
-            raise RuntimeError(
-                f"VERL_NPU_OPS_BACKEND=ascend: {op}: {unfit}; unset it to run these inputs on the portable backend"
-            ) from unfit
-        _log_fallback(op, str(unfit))
+        _fall_back(op, "ascend", str(unfit))  # a forced-backend error raised here chains the refusal
         return None
 
 
@@ -146,9 +147,7 @@ def dsa_sparse_attention(query, key, value, topk_indices, softmax_scale):
                 f"per-head keys with head dims {query.shape[-1]}/{value.shape[-1]}: the tiled Triton kernel is "
                 f"built for head dims up to {TRITON_TILED_MAX_HEAD_DIM} (larger tiles overflow shared memory)"
             )
-        if os.environ.get("VERL_NPU_OPS_BACKEND") == "triton":
-            raise RuntimeError(f"VERL_NPU_OPS_BACKEND=triton: dsa_sparse_attention: {reason}; unset it")
-        _log_fallback("dsa_sparse_attention", reason)
+        _fall_back("dsa_sparse_attention", "triton", reason)
     from verl_npu.ops.dsa_attention import sparse_attention
 
     return sparse_attention(query, key, value, topk_indices, softmax_scale)

@@ -142,10 +142,18 @@ describe_step() { # describe_step N KIND NAME FIELDS
       if [[ "$commit" == UNVERIFIED ]]; then
         commit="UNVERIFIED (resolved from '$(field ref "$fields")' at build time, recorded in build-manifest.json)"
       fi
-      printf '%2d. git       %-24s %s @ %s  commit %s  [install: %s]\n' "$n" "$name" "$(field url "$fields")" \
-        "$(field ref "$fields")" "$commit" "$(field install "$fields")" ;;
+      printf '%2d. git       %-24s %s @ %s  commit %s  [install: %s]' "$n" "$name" "$(field url "$fields")" \
+        "$(field ref "$fields")" "$commit" "$(field install "$fields")"
+      [[ -n "$(field patches "$fields")" ]] && printf '  + patches %s' "$(field patches "$fields")"
+      printf '\n' ;;
+    replace)
+      printf '%2d. replace   %s' "$n" "$(field requirement "$fields")"
+      [[ -n "$(field index "$fields")" ]] && printf '  (index %s)' "$(field index "$fields")"
+      printf ': uninstall %s if installed (same import directory), then reinstall %s (forced, no deps)\n' \
+        "$(field remove "$fields" | tr ',' ' ')" "$name" ;;
     local) printf '%2d. local     verl-npu from %s%s\n' "$n" "$REPO_ROOT" \
       "$([[ -n "$(field extras "$fields")" ]] && printf ' with extras [%s]' "$(field extras "$fields")")" ;;
+    contracts) printf '%2d. contracts verl-npu contracts verify (MindSpeed, vllm-ascend, torch-npu as installed)\n' "$n" ;;
     build-manifest) printf '%2d. manifest  write %s/build-manifest.json (resolved commits, versions, date)\n' "$n" "$PREFIX" ;;
     *) die "the plan has an unknown step kind '$kind'" ;;
   esac
@@ -209,18 +217,20 @@ run_python_step() {
 }
 
 run_chip_step() {
-  local soc=$1
+  local soc=$1 toolkit
   export SOC_VERSION="$soc"
-  local set_env="${ASCEND_TOOLKIT_HOME:-/usr/local/Ascend/ascend-toolkit}/set_env.sh"
-  if [[ -z "${ASCEND_TOOLKIT_HOME:-}" ]]; then
-    [[ -f /usr/local/Ascend/ascend-toolkit/set_env.sh ]] ||
-      die "CANN not found (/usr/local/Ascend/ascend-toolkit/set_env.sh); build on the manifest's CANN base image or install CANN first"
-    set +u # CANN's set_env.sh reads unset variables
-    # shellcheck source=/dev/null
-    source /usr/local/Ascend/ascend-toolkit/set_env.sh
-    set -u
-  fi
-  log "CANN environment: ${ASCEND_TOOLKIT_HOME:-$set_env}, SOC_VERSION=$SOC_VERSION"
+  # The build needs the environment every container gets from docker/entrypoint.sh (the same three
+  # scripts, in order), whatever ASCEND_TOOLKIT_HOME says: the base image sets that variable, but
+  # not the toolkit's library paths, AscendNPU IR's compiler nor ATB's.
+  # shellcheck source=docker/cann-env.sh
+  source "$REPO_ROOT/docker/cann-env.sh"
+  toolkit="$(cann_env_script toolkit)"
+  [[ -f "$toolkit" ]] ||
+    die "CANN not found ($toolkit); build on the manifest's CANN base image or install CANN first"
+  cann_env_load "[install.sh]"
+  log "CANN environment: ASCEND_TOOLKIT_HOME=${ASCEND_TOOLKIT_HOME:-unset}, SOC_VERSION=$SOC_VERSION"
+  local script
+  for script in "${CANN_ENV_SOURCED[@]}"; do log "  sourced $script"; done
 }
 
 apply_patches() { # apply_patches DIR PATCH... (git apply --check first, then apply)
@@ -238,17 +248,25 @@ apply_patches() { # apply_patches DIR PATCH... (git apply --check first, then ap
   done
 }
 
+INDEX_ARGS=()
+set_index_args() { # set_index_args FIELDS: INDEX_ARGS = pip's index options for a pip or replace step
+  local index index_x86
+  index="$(field index "$1")"
+  index_x86="$(field index_x86_64 "$1")"
+  INDEX_ARGS=()
+  [[ -n "$index" ]] && INDEX_ARGS+=(--extra-index-url "$index")
+  [[ -n "$index_x86" && "$ARCH" == x86_64 ]] && INDEX_ARGS+=(--index-url "$index_x86" --extra-index-url https://pypi.org/simple)
+  return 0
+}
+
 run_pip_step() {
-  local name=$1 fields=$2 requirement version have index index_x86 patch_list
+  local name=$1 fields=$2 requirement version have patch_list
   requirement="$(field requirement "$fields")"
   version="${requirement#*==}"
-  index="$(field index "$fields")"
-  index_x86="$(field index_x86_64 "$fields")"
   patch_list="$(field patches "$fields")"
   have="$(installed_version "$name")"
-  local -a index_args=()
-  [[ -n "$index" ]] && index_args+=(--extra-index-url "$index")
-  [[ -n "$index_x86" && "$ARCH" == x86_64 ]] && index_args+=(--index-url "$index_x86" --extra-index-url https://pypi.org/simple)
+  set_index_args "$fields"
+  local -a index_args=("${INDEX_ARGS[@]}")
 
   if [[ -z "$patch_list" ]]; then
     if [[ -n "$have" ]] && same_version "$have" "$version"; then
@@ -334,11 +352,19 @@ run_git_step() {
   [[ "$head" == "$commit" ]] || die "$name: checked out $head but the pin is $commit"
   record_resolved "$name" "$commit"
 
-  local stamp="$dir/.git/verl-npu-installed"
-  if [[ -f "$stamp" && "$(cat "$stamp")" == "$commit" ]]; then
-    log "$name $commit already installed"
+  local -a patches=()
+  [[ -z "$(field patches "$fields")" ]] || IFS=',' read -r -a patches <<<"$(field patches "$fields")"
+  local stamp="$dir/.git/verl-npu-installed" want="$commit"
+  if [[ ${#patches[@]} -gt 0 ]]; then # a changed patch reinstalls the component
+    want="$commit patches $(cat "${patches[@]/#/$REPO_ROOT/}" | sha256sum | cut -d' ' -f1)"
+  fi
+  if [[ -f "$stamp" && "$(cat "$stamp")" == "$want" ]]; then
+    log "$name $commit already installed$([[ ${#patches[@]} -eq 0 ]] || printf ' with its patches')"
     return
   fi
+  # Install exactly the pinned commit plus our patches (an earlier, failed run may have left edits).
+  git_nodiscover "$dir" reset -q --hard "$commit"
+  [[ ${#patches[@]} -eq 0 ]] || apply_patches "$dir" "${patches[@]}"
   case "$install" in
     pip) pip_install -e "$dir" ;;
     vllm-empty-device) VLLM_TARGET_DEVICE=empty pip_install -e "$dir" ;;
@@ -353,7 +379,42 @@ run_git_step() {
     have="$(installed_version "$dist")"
     same_version "$have" "$version" || die "$name at $commit installed $dist '$have', the manifest expects $version"
   fi
-  echo "$commit" >"$stamp"
+  echo "$want" >"$stamp"
+}
+
+dist_intact() { # dist_intact NAME: installed, and every file its RECORD lists is present
+  # (RECORD itself: Distribution.files leaves out the files that are missing.)
+  "$PY" -I - "$1" <<'PYEOF'
+import csv, importlib.metadata as m, sys
+try:
+    dist = m.distribution(sys.argv[1])
+except m.PackageNotFoundError:
+    sys.exit(1)
+paths = [row[0] for row in csv.reader((dist.read_text("RECORD") or "").splitlines()) if row]
+sys.exit(0 if paths and all(dist.locate_file(p).exists() for p in paths) else 1)
+PYEOF
+}
+
+run_replace_step() { # the package owns its import directory again: what shares it is removed first
+  local name=$1 fields=$2 requirement version have dist
+  local -a remove present=()
+  requirement="$(field requirement "$fields")"
+  version="${requirement#*==}"
+  IFS=',' read -r -a remove <<<"$(field remove "$fields")"
+  for dist in "${remove[@]}"; do
+    [[ -z "$(installed_version "$dist")" ]] || present+=("$dist")
+  done
+  have="$(installed_version "$name")"
+  if [[ ${#present[@]} -eq 0 && -n "$have" ]] && same_version "$have" "$version" && dist_intact "$name"; then
+    log "$name $have already installed with all its files (no ${remove[*]} installed)"
+    return
+  fi
+  if [[ ${#present[@]} -gt 0 ]]; then
+    log "uninstalling ${present[*]}: it installs the same import directory as $name"
+    "$PY" -m pip uninstall --disable-pip-version-check -y "${present[@]}"
+  fi
+  set_index_args "$fields"
+  pip_install "${INDEX_ARGS[@]}" --force-reinstall --no-deps "$requirement"
 }
 
 run_local_step() {
@@ -380,6 +441,11 @@ sys.exit(0 if editable and url.get("url") == pathlib.Path(sys.argv[1]).as_uri() 
 PYEOF
 }
 
+run_contracts_step() {
+  "$PY" -m verl_npu.cli contracts verify ||
+    die "the installed MindSpeed / vllm-ascend / torch-npu no longer hold the facts verl-npu relies on (table above); review the upstream change against docs/ascend_contracts.md before pinning it"
+}
+
 run_build_manifest_step() {
   "$PY" -m verl_npu.stack.build_manifest write --target "$TARGET" --prefix "$PREFIX" --resolved "$RESOLVED_FILE"
 }
@@ -394,7 +460,9 @@ while IFS='|' read -r KIND NAME REST; do
     chip) run_chip_step "$(field soc_version "$REST")" ;;
     pip) run_pip_step "$NAME" "$REST" ;;
     git) run_git_step "$NAME" "$REST" ;;
+    replace) run_replace_step "$NAME" "$REST" ;;
     local) run_local_step "$(field extras "$REST")" ;;
+    contracts) run_contracts_step ;;
     build-manifest) run_build_manifest_step ;;
     *) die "the plan has an unknown step kind '$KIND'" ;;
   esac

@@ -337,7 +337,8 @@ def measure_case(cfg: dict, batch: dict, recompute: str | None, device: str, wit
     # step 2: steady-state activations (persistent workspaces already allocated)
     sizes["activations"] = activations_bytes(ddp, tokens, positions, device)
     probe = probe_peak(ddp, tokens, positions) if device != "cpu" else {}
-    est = estimate(shape, **kwargs)
+    # host arenas as this device's offload manager allocates them (cudaHostRegister on CUDA, exact on the CPU)
+    est = estimate(shape, **kwargs, platform="cuda" if device != "cpu" else "cpu")
     stage = est.stages[0]
     measured = dict(sizes)
     estimated = {k: stage.train[k] for k in ("weights", "grads", "optimizer", "activations")}

@@ -37,16 +37,23 @@ def test_plain_dense_model_has_nothing_to_do():
     assert plan.features == () and plan.mindspeed_repatch is None and plan.rmsnorm_impl is None
 
 
-@pytest.mark.parametrize(
-    ("platform", "impl"), [("ascend", "torch_npu.npu_rms_norm"), ("cuda", "verl_npu.ops.rmsnorm.RMSNorm")]
-)
-def test_fused_rmsnorm_maps_per_platform(platform, impl):
-    plan = build_plan(engine(override_transformer_config={"use_fused_rmsnorm": True}), optim(), LLAMA, platform)
-    assert "fused_rmsnorm" in plan.features and plan.rmsnorm_impl == impl
+def test_fused_rmsnorm_swaps_the_norm_off_ascend():
+    plan = build_plan(engine(override_transformer_config={"use_fused_rmsnorm": True}), optim(), LLAMA, "cuda")
+    assert "fused_rmsnorm" in plan.features and plan.rmsnorm_impl == "verl_npu.ops.rmsnorm.RMSNorm"
     assert plan.transformer_overrides["normalization"] == "RMSNorm"
     assert "use_fused_rmsnorm" not in plan.transformer_overrides  # not a megatron-core field
-    if platform == "ascend":
-        assert plan.mindspeed_repatch["use_fused_rmsnorm"] is True
+
+
+def test_on_ascend_the_norm_is_te_npus_whatever_use_fused_rmsnorm_says_and_the_plan_says_so():
+    # contract mindspeed-norm-ignores-use-fused-rmsnorm: MindSpeed's PTNorm builds TE-NPU's RMSNorm
+    otc = {"use_fused_rmsnorm": True, "use_fused_swiglu": True}
+    plan = build_plan(engine(override_transformer_config=otc), optim(), LLAMA, "ascend")
+    assert "fused_rmsnorm" not in plan.features
+    assert plan.rmsnorm_impl == "TransformerEngine-NPU RMSNorm (MindSpeed's PTNorm)"
+    assert build_plan(engine(), optim(), LLAMA, "ascend").rmsnorm_impl == plan.rmsnorm_impl
+    assert any("use_fused_rmsnorm changes nothing on Ascend" in w for w in plan.warnings)
+    assert any("use_fused_swiglu has no effect" in w for w in plan.warnings)
+    assert plan.mindspeed_repatch["use_fused_rmsnorm"] is True  # passed on, as upstream verl does
 
 
 def test_fused_rmsnorm_requires_rmsnorm():
@@ -85,31 +92,99 @@ def test_dsa_rejects_packed_thd_input():
         build_plan(engine(use_remove_padding=True), optim(), GLM5, "cuda")
 
 
-def test_fused_dsa_flags_go_together():
-    otc = {"use_fused_lightning_indexer": True, "use_fused_sparse_flash_attention": True}
+DSA_SWITCHES = dict.fromkeys(
+    (
+        "use_dsa_absorb",
+        "use_fused_lightning_indexer",
+        "use_fused_sparse_flash_attention",
+        "use_fused_lightning_indexer_kl_loss",
+    ),
+    True,
+)
+GLM5_REAL = GlmMoeDsaConfig()  # transformers' defaults are GLM-5's published shape (64 heads, latent 512 + 64)
+
+
+def test_the_three_fused_operators_need_absorption_and_all_four_switches_go_together():
+    three = {k: v for k, v in DSA_SWITCHES.items() if k != "use_dsa_absorb"}
     with pytest.raises(
-        BuildPlanError,
-        match=r"only work together.*also set override_transformer_config\.use_fused_lightning_indexer_kl_loss=True",
+        BuildPlanError, match=r"go on or off together.*also set override_transformer_config\.use_dsa_absorb"
     ):
-        build_plan(engine(override_transformer_config=otc), optim(), GLM5, "ascend")
-    all_three = {**otc, "use_fused_lightning_indexer_kl_loss": True}
-    plan = build_plan(engine(override_transformer_config=all_three), optim(), GLM5, "ascend")
-    assert "dsa_fused_ascend" in plan.features and plan.mindspeed_repatch["use_fused_lightning_indexer"] is True
-    cuda = build_plan(engine(override_transformer_config=all_three), optim(), GLM5, "cuda")
-    assert "dsa_fused_ascend" not in cuda.features and any("portable path" in n for n in cuda.notes)
+        build_plan(engine(override_transformer_config=three), optim(), GLM5_REAL, "ascend")
+    two = {"use_fused_lightning_indexer": True, "use_fused_sparse_flash_attention": True}
+    with pytest.raises(BuildPlanError, match=r"also set .*use_dsa_absorb=True, .*use_fused_lightning_indexer_kl_loss"):
+        build_plan(engine(override_transformer_config=two), optim(), GLM5_REAL, "ascend")
+    with pytest.raises(BuildPlanError, match="go on or off together"):
+        build_plan(engine(override_transformer_config={"use_dsa_absorb": True}), optim(), GLM5_REAL, "ascend")
+    plan = build_plan(engine(override_transformer_config=DSA_SWITCHES), optim(), GLM5_REAL, "ascend")
+    assert {"dsa_absorbed_mla", "dsa_fused_operators"} <= set(plan.features)
+    assert all(plan.mindspeed_repatch[k] is True for k in DSA_SWITCHES)
+    assert any("linear_k_up_proj + linear_v_up_proj" in n for n in plan.notes)
+    assert any("also at dsa_indexer_loss_coeff=0" in n for n in plan.notes)
+    cuda = build_plan(engine(override_transformer_config=DSA_SWITCHES), optim(), GLM5_REAL, "cuda")
+    assert "dsa_fused_operators" not in cuda.features and any("portable/Triton" in w for w in cuda.warnings)
 
 
-def test_fused_kl_loss_needs_32_64_or_128_indexer_heads():
-    otc = dict.fromkeys(
-        ("use_fused_lightning_indexer", "use_fused_sparse_flash_attention", "use_fused_lightning_indexer_kl_loss"), True
-    )
-    odd = GlmMoeDsaConfig(num_hidden_layers=2, hidden_size=256, num_attention_heads=8, index_n_heads=16)
-    with pytest.raises(BuildPlanError, match="dsa_indexer_n_heads=16: the fused indexer KL loss supports 32, 64, 128"):
-        build_plan(engine(override_transformer_config=otc), optim(), odd, "ascend")
+def test_fused_operator_shape_rules_are_all_reported_in_one_error():
+    # the small nightly model's old shape: every rule of the fused operators broken at once
+    odd = GlmMoeDsaConfig(
+        num_hidden_layers=2, hidden_size=256, num_attention_heads=8, index_n_heads=128, index_head_dim=64,
+        index_topk=512, kv_lora_rank=128, qk_rope_head_dim=32,
+    )  # fmt: skip
+    with pytest.raises(BuildPlanError) as error:
+        build_plan(engine(override_transformer_config=DSA_SWITCHES), optim(), odd, "ascend")
+    problems = error.value.problems
+    for expected in (
+        "kv_lora_rank=128, qk_rope_head_dim=32: npu_sparse_flash_attention takes one latent key head of 512",
+        "num_attention_heads=8: the fused KL-loss operator takes the TP-gathered attention heads in (32, 64, 128)",
+        "dsa_indexer_n_heads=128: the fused indexer and KL-loss operators take (8, 16, 32, 64)",
+        "dsa_indexer_head_dim=64: npu_lightning_indexer takes indexer head dim 128",
+        "dsa_indexer_topk=512: the fused KL-loss operator takes a top-k that is a multiple of 1024",
+    ):
+        assert any(expected in p for p in problems), (expected, problems)
+    assert all("Instead: drop the four DSA switches" in p for p in problems)
 
 
-def test_fused_dsa_flags_without_dsa_are_an_error():
-    with pytest.raises(BuildPlanError, match="fused DSA operators need a DSA model"):
+def test_attention_heads_per_device_must_be_a_power_of_two():
+    with pytest.raises(BuildPlanError, match=r"tensor_model_parallel_size=3.*per device"):
+        build_plan(
+            engine(tensor_model_parallel_size=3, override_transformer_config=DSA_SWITCHES), optim(), GLM5_REAL, "ascend"
+        )
+
+
+def test_mindspeed_repatch_gets_the_whole_override_config_and_what_its_dsa_path_reads():
+    """MindSpeed's DSA feature applies only when experimental_attention_variant == 'dsa' reaches repatch (it
+    registers no option for it), and its fused forward reads context_parallel_size without a default."""
+    from verl_npu.contracts.mindspeed import ARGS_READ_WITHOUT_DEFAULT
+
+    otc = {**DSA_SWITCHES, "recompute_granularity": "full", "context_parallel_algo": "kvallgather_cp_algo"}
+    plan = build_plan(engine(override_transformer_config=otc), optim(), GLM5_REAL, "ascend")
+    repatch = plan.mindspeed_repatch
+    assert repatch["experimental_attention_variant"] == "dsa" and repatch["multi_latent_attention"] is True
+    assert repatch["recompute_granularity"] == "full"
+    assert (repatch["dsa_indexer_n_heads"], repatch["dsa_indexer_topk"]) == (32, 2048)
+    assert all(key in repatch for key in ARGS_READ_WITHOUT_DEFAULT), repatch
+    assert repatch["context_parallel_size"] == 1
+    assert set(plan.transformer_overrides) <= set(repatch)
+
+
+def test_every_violated_rule_is_reported_in_one_run():
+    otc = {"qk_layernorm": False, "apply_rope_fusion": True, "use_fused_lightning_indexer": True}
+    with pytest.raises(BuildPlanError) as error:
+        build_plan(
+            engine(vanilla_mbridge=False, use_remove_padding=True, override_transformer_config=otc),
+            optim(exp_avg_dtype="bf16"),
+            GLM5,
+            "ascend",
+        )
+    text = str(error.value)
+    for rule in ("Megatron-Bridge", "qk_layernorm", "apply_rope_fusion", "packed (THD)", "go on or off together",
+                 "precision-aware optimizer"):  # fmt: skip
+        assert rule in text, rule
+    assert len(error.value.problems) == 6
+
+
+def test_dsa_switches_without_dsa_are_an_error():
+    with pytest.raises(BuildPlanError, match="DSA switches need a DSA model"):
         build_plan(engine(override_transformer_config={"use_fused_lightning_indexer": True}), optim(), LLAMA, "ascend")
 
 
@@ -125,6 +200,8 @@ def test_dsa_context_parallel_needs_kv_allgather_on_ascend_and_is_refused_elsewh
     )  # fmt: skip
     assert plan.mindspeed_repatch["context_parallel_size"] == 4
     assert plan.mindspeed_repatch["context_parallel_algo"] == "kvallgather_cp_algo"
+    assert plan.mindspeed_repatch["experimental_attention_variant"] == "dsa"  # the CP bypass needs both
+    assert "dsa_cp_kvallgather" in plan.features and any("kv-allgather" in n for n in plan.notes)
     with pytest.raises(BuildPlanError, match="asserts context_parallel_size=1"):
         build_plan(engine(context_parallel_size=2), optim(), GLM5, "cuda")
 

@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from support.fake_ascend import BASE_IMAGE_ENV, SOURCED_IN_ORDER, make_fake_ascend, sourced
 
 from verl_npu.stack import load_stack
 
@@ -89,26 +90,64 @@ def test_no_floating_refs_sed_or_pipe_to_shell(path):
         assert match is None, f"{path.name}: {what}: {match.group(0)!r}"
 
 
-def test_entrypoint_sources_cann_and_runs_the_command(tmp_path):
-    ascend = tmp_path / "Ascend"
-    (ascend / "ascend-toolkit").mkdir(parents=True)
-    (ascend / "nnal" / "atb").mkdir(parents=True)
-    (ascend / "ascend-toolkit" / "set_env.sh").write_text("export ASCEND_TOOLKIT_HOME=/fake/toolkit\n")
-    (ascend / "nnal" / "atb" / "set_env.sh").write_text("export ATB_HOME_PATH=/fake/atb\n")
-    done = subprocess.run(
-        [str(REPO / "docker" / "entrypoint.sh"), "bash", "-c", 'echo "$ASCEND_TOOLKIT_HOME $ATB_HOME_PATH"'],
+def _entrypoint(*command: str, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [str(REPO / "docker" / "entrypoint.sh"), *command],
         capture_output=True,
         text=True,
-        env={"ASCEND_ROOT": str(ascend), "PATH": "/usr/bin:/bin"},
+        env={"PATH": "/usr/bin:/bin", **env},
         check=False,
+    )
+
+
+def test_entrypoint_sources_the_base_images_three_cann_scripts_in_order(tmp_path):
+    """Like the CANN base image's own entrypoint, which ours replaces: the toolkit, then AscendNPU IR
+    (from the ASCEND_TOOLKIT_HOME the toolkit sets), then ATB with --cxx_abi; then the command."""
+    env = {**BASE_IMAGE_ENV, **make_fake_ascend(tmp_path / "Ascend")}
+    done = _entrypoint(
+        "bash",
+        "-c",
+        'echo "$ASCEND_TOOLKIT_HOME $FAKE_CANN_TOOLKIT $FAKE_CANN_ASCENDNPU_IR $FAKE_CANN_ATB_ARGS"',
+        env=env,
     )
     assert done.returncode == 0, done.stderr
-    assert done.stdout.strip() == "/fake/toolkit /fake/atb"
-    missing = subprocess.run(
-        [str(REPO / "docker" / "entrypoint.sh"), "true"],
-        capture_output=True,
-        text=True,
-        env={"ASCEND_ROOT": str(tmp_path / "none"), "PATH": "/usr/bin:/bin"},
-        check=False,
+    assert sourced(env) == SOURCED_IN_ORDER
+    assert done.stdout.split() == [str(tmp_path / "Ascend" / "cann-9.1.0"), "loaded", "loaded", "--cxx_abi=1"]
+    assert done.stderr == ""
+
+    env = {**env, "ATB_CXX_ABI": "0", "CANN_ENV_LOG": str(tmp_path / "abi0.log")}
+    assert _entrypoint("true", env=env).returncode == 0
+    assert sourced(env) == [*SOURCED_IN_ORDER[:2], "atb --cxx_abi=0"]
+
+
+def test_entrypoint_warns_for_each_missing_cann_script_and_still_runs_the_command(tmp_path):
+    env = make_fake_ascend(tmp_path / "Ascend", missing=("ascendnpu-ir", "atb"))
+    done = _entrypoint("echo", "ran", env=env)
+    assert done.returncode == 0 and done.stdout == "ran\n"
+    assert sourced(env) == ["toolkit"]
+    assert "ascendnpu-ir/bin/set_env.sh not found: no AscendNPU IR" in done.stderr
+    assert "nnal/atb/set_env.sh not found: no ATB" in done.stderr
+
+    none = _entrypoint("true", env={"ASCEND_ROOT": str(tmp_path / "none")})
+    assert none.returncode == 0
+    assert none.stderr.count("[verl-npu entrypoint] WARNING:") == 3
+    assert "CANN is not set up in this environment" in none.stderr
+
+
+# vllm-ascend 0.23.0's CaMemAllocator (vllm_ascend/device_allocator/camem.py), the allocator of vLLM's
+# sleep mode that verl uses by default, asserts that PYTORCH_NPU_ALLOC_CONF has no
+# expandable_segments:True. An image that sets it cannot start verl's rollout.
+_SETS_ALLOC_CONF = re.compile(r"^(?!\s*#).*\bPYTORCH_NPU_ALLOC_CONF(\s*=|\s+\S)", re.M)
+
+
+@pytest.mark.parametrize(
+    "path",
+    [*DOCKERFILES.values(), REPO / "docker" / "entrypoint.sh", REPO / "docker" / "cann-env.sh"],
+    ids=lambda p: p.name,
+)
+def test_image_leaves_pytorch_npu_alloc_conf_unset_for_vllm_ascend_sleep_mode(path):
+    match = _SETS_ALLOC_CONF.search(path.read_text())
+    assert match is None, (
+        f"{path.name} sets {match.group(0).strip()!r}: vllm-ascend's CaMemAllocator (sleep mode, verl's default) "
+        "asserts expandable_segments:True is not set"
     )
-    assert missing.returncode == 0 and "CANN is not set up in this container" in missing.stderr

@@ -37,7 +37,7 @@ UNLIMITED = (resource.RLIM_INFINITY, resource.RLIM_INFINITY)
 
 # Modules a complete install provides, per target.
 DEV_MODULES = ["megatron/core", f"{LAYER.replace('.', '/')}.py"]
-NPU_MODULES = [*DEV_MODULES, "megatron_adaptor", "transformer_engine", "mindspeed"]
+NPU_MODULES = [*DEV_MODULES, "megatron_adaptor", "transformer_engine", "mindspeed", "vllm_ascend", "torch_npu"]
 
 # --- canned command output -------------------------------------------------------------------------
 
@@ -841,8 +841,64 @@ def _a3_node(tmp_path: Path, shm_size, **override: str | None) -> Probe:
     )
 
 
+def synthetic_contracts(tree: Path):
+    """One contract per component on a file written into ``tree``: the real contracts name upstream sources
+    this repository does not hold (tests_npu/test_contracts.py checks those against the real artifacts)."""
+    from verl_npu.contracts.spec import Contract, Expect, fingerprint
+
+    registry = []
+    for component, package in (("mindspeed", "mindspeed"), ("vllm-ascend", "vllm_ascend"), ("torch-npu", "torch_npu")):
+        source = f"def fact():\n    return {component!r}"
+        (tree / package / "facts.py").write_text(source + "\n")
+        registry.append(
+            Contract(
+                id=f"{component}-fact",
+                component=component,
+                path=f"{package}/facts.py",
+                locator="python",
+                symbol="fact",
+                line=1,
+                sha256=fingerprint(source),
+                relied_on=f"{component} returns its name",
+                used_by="tests",
+                expects=(Expect(repr(component), "the name"),),
+            )
+        )
+    return tuple(registry)
+
+
+def diagnose_node(probe: Probe) -> doctor.Report:
+    return doctor.diagnose(probe, STACK, contracts=synthetic_contracts(Path(probe.sys_path[0])))
+
+
+def test_contracts_hold_fail_when_drifted_and_are_not_needed_on_a_dev_box(tmp_path: Path) -> None:
+    tree = make_tree(tmp_path / "sp", {}, NPU_MODULES)
+    registry = synthetic_contracts(tree)
+    probe = make_probe([tree], npu=NPU_SMI_A3)
+    (finding,) = doctor.check_contracts(probe, "a3", registry)
+    assert (finding.check, finding.status) == ("contracts", OK) and "3 recorded facts hold" in finding.detail
+    (tree / "vllm_ascend" / "facts.py").write_text("def fact():\n    return 'something else'\n")
+    (drifted,) = doctor.check_contracts(probe, "a3", registry)
+    assert (drifted.check, drifted.status) == ("contracts.vllm-ascend-fact", FAIL)
+    assert "the name: no longer contains \"'vllm-ascend'\"" in drifted.detail and "rebuild the image" in drifted.fix
+    bare = make_probe([make_tree(tmp_path / "bare", {}, DEV_MODULES)])
+    (absent,) = doctor.check_contracts(bare, "a3", registry)
+    assert absent.status == FAIL and "mindspeed, vllm-ascend, torch-npu not installed" in absent.detail
+    (dev,) = doctor.check_contracts(bare, "dev", registry)
+    assert dev.status == OK and "(Ascend only)" in dev.detail
+
+
+@pytest.mark.parametrize(("target", "status"), [("a3", FAIL), ("dev", WARN)])
+def test_expandable_segments_are_flagged_for_vllm_sleep_mode(tmp_path: Path, target, status) -> None:
+    probe = make_probe([make_tree(tmp_path / "sp", {})], env={"PYTORCH_NPU_ALLOC_CONF": "expandable_segments:True"})
+    (finding,) = doctor.check_allocator_env(probe, target)
+    assert finding.status == status and "CaMemAllocator" in finding.detail and "enable_sleep_mode=False" in finding.fix
+    plain = make_probe([make_tree(tmp_path / "sp2", {})], env={"PYTORCH_NPU_ALLOC_CONF": "page_size:1g"})
+    assert doctor.check_allocator_env(plain, target)[0].status == OK
+
+
 def test_diagnose_consistent_a3_node_passes(tmp_path: Path, shm_size) -> None:
-    report = doctor.diagnose(_a3_node(tmp_path, shm_size), STACK)
+    report = diagnose_node(_a3_node(tmp_path, shm_size))
     assert report.target == "a3" and report.platform.kind == "ascend"
     assert not report.failed, [f for f in report.findings if f.status == FAIL]
     # The only warning: stack.toml still has UNVERIFIED git commits, recorded as resolved at build time.
@@ -870,7 +926,7 @@ def test_diagnose_consistent_a3_node_passes(tmp_path: Path, shm_size) -> None:
 
 
 def test_diagnose_a3_node_with_one_wrong_version_fails(tmp_path: Path, shm_size) -> None:
-    report = doctor.diagnose(_a3_node(tmp_path, shm_size, transformers="5.10.3"), STACK)
+    report = diagnose_node(_a3_node(tmp_path, shm_size, transformers="5.10.3"))
     assert report.failed
     failed = {f.check for f in report.findings if f.status == FAIL}
     assert failed == {"version.transformers", "build-manifest.drift"}

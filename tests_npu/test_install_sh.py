@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from support.fake_ascend import BASE_IMAGE_ENV, SOURCED_IN_ORDER, make_fake_ascend, sourced
 
 from verl_npu.stack import load_stack
 
@@ -44,6 +45,24 @@ def test_a3_dry_run_prints_every_pin_in_order_and_touches_nothing(tmp_path):
     positions = [out.index(f" {name} ") for name in ("megatron-adaptor", "transformer-engine-npu", "mindspeed")]
     assert positions == sorted(positions), "MegatronAdaptor -> TransformerEngineNPU -> MindSpeed order broken"
     assert "UNVERIFIED (resolved from 'core_r0.18.0' at build time" in out
+    lines = out.splitlines()
+
+    def line_of(needle: str) -> int:
+        (index,) = [i for i, line in enumerate(lines) if needle in line]
+        return index
+
+    # torch's companions from the same index right after it; vllm-ascend patched before its install;
+    # upstream triton replaced by triton-ascend after every other third-party install.
+    assert (
+        line_of("pip       torch==") + 1 == line_of("pip       torchvision==") == line_of("pip       torchaudio==") - 1
+    )
+    for patch in stack.git["vllm-ascend"].patches:
+        assert f"+ patches {patch}" in lines[line_of(" vllm-ascend ")]
+    replace = line_of("replace   triton-ascend==3.2.2")
+    assert "uninstall triton if installed" in lines[replace] and "(index https://triton-ascend" in lines[replace]
+    installs = [i for i, line in enumerate(lines) if re.match(r"\s*\d+\. (git|pip) ", line)]
+    assert len(installs) == len(stack.packages_for("a3")) + len(stack.git_for("a3")) and max(installs) < replace
+    assert replace + 1 == line_of("local     verl-npu")
     assert "dry run: nothing was installed or changed" in out
     assert not prefix.exists()
 
@@ -92,11 +111,68 @@ def test_a_broken_manifest_fails_in_the_named_step(tmp_path):
 
 
 def test_npu_target_without_cann_fails_in_the_chip_step(tmp_path):
-    if Path("/usr/local/Ascend/ascend-toolkit/set_env.sh").exists():
-        pytest.skip("CANN is installed here; this test proves the error on a machine without it")
-    done = run_install("--target", "a2", "--prefix", str(tmp_path / "p"), env={"ASCEND_TOOLKIT_HOME": ""})
+    env = {"ASCEND_ROOT": str(tmp_path / "no-ascend"), **BASE_IMAGE_ENV}
+    done = run_install("--target", "a2", "--prefix", str(tmp_path / "p"), env=env)
     assert done.returncode != 0
-    assert re.search(r'ERROR in step "2\. chip a2": CANN not found', done.stderr), done.stderr
+    assert re.search(
+        r'ERROR in step "2\. chip a2": CANN not found \(.*/no-ascend/ascend-toolkit/set_env\.sh\)', done.stderr
+    ), done.stderr
+
+
+def _install_until_the_first_pip_call(tmp_path: Path, env: dict[str, str]) -> tuple[subprocess.CompletedProcess, dict]:
+    """Run `install.sh --target a2` with a python3.12 on PATH that is the real one until install.sh
+    first asks it about or for a package (step 3): there it saves its environment and fails."""
+    bin_dir, capture = tmp_path / "bin", tmp_path / "env-at-step-3.json"
+    bin_dir.mkdir()
+    fake = bin_dir / "python3.12"
+    fake.write_text(
+        "#!/bin/bash\n"
+        'if [[ "$1" == -I || "$1 $2" == "-m pip" ]]; then\n'
+        f"  {sys.executable} -c \"import json, os; json.dump(dict(os.environ), open('{capture}', 'w'))\"\n"
+        "  exit 97\n"
+        "fi\n"
+        f'exec {sys.executable} "$@"\n'
+    )
+    fake.chmod(0o755)
+    done = run_install(
+        "--target", "a2", "--prefix", str(tmp_path / "prefix"),
+        env={**env, "PATH": f"{bin_dir}:{os.environ['PATH']}"},
+    )  # fmt: skip
+    return done, (json.loads(capture.read_text()) if capture.is_file() else {})
+
+
+def test_chip_step_sources_the_three_cann_scripts_in_order_during_the_build(tmp_path):
+    """The base image sets ASCEND_TOOLKIT_HOME, and the build still needs the toolkit's paths,
+    AscendNPU IR (triton-ascend's compiler) and ATB: the chip step sources all three, as the image's
+    entrypoint does (docker/cann-env.sh), and the next steps run inside that environment."""
+    env = {**BASE_IMAGE_ENV, **make_fake_ascend(tmp_path / "Ascend")}
+    done, seen = _install_until_the_first_pip_call(tmp_path, env)
+    assert sourced(env) == SOURCED_IN_ORDER, done.stderr
+    assert seen, f"install.sh stopped before step 3:\n{done.stderr}"
+    assert seen["ASCEND_TOOLKIT_HOME"] == str(tmp_path / "Ascend" / "cann-9.1.0")
+    assert (seen["FAKE_CANN_TOOLKIT"], seen["FAKE_CANN_ASCENDNPU_IR"]) == ("loaded", "loaded")
+    assert seen["FAKE_CANN_ATB_ARGS"] == "--cxx_abi=1" and seen["SOC_VERSION"] == "ascend910b1"
+    # CANN's scripts ran without -e/-u; afterwards install.sh's own error handling is back.
+    assert re.search(r'ERROR in step "3\. pip torch": command at install\.sh:\d+ exited with status 97', done.stderr)
+    assert "WARNING" not in done.stderr
+
+
+def test_chip_step_warns_without_ascendnpu_ir_or_atb(tmp_path):
+    env = {**BASE_IMAGE_ENV, **make_fake_ascend(tmp_path / "Ascend", missing=("ascendnpu-ir", "atb"))}
+    done, seen = _install_until_the_first_pip_call(tmp_path, env)
+    assert sourced(env) == ["toolkit"]
+    assert seen["FAKE_CANN_TOOLKIT"] == "loaded", done.stderr
+    assert "[install.sh] WARNING: " in done.stderr and "triton-ascend cannot compile kernels" in done.stderr
+    assert "nnal/atb/set_env.sh not found" in done.stderr
+
+
+def test_install_sh_and_the_entrypoint_share_one_cann_script_list():
+    """The three scripts and their order are written once, in docker/cann-env.sh."""
+    for path in (REPO / "install.sh", REPO / "docker" / "entrypoint.sh"):
+        text = path.read_text()
+        assert "docker/cann-env.sh" in text and "cann_env_load" in text, path.name
+        for private in ("set_env.sh", "ascendnpu-ir", "nnal/atb", "cxx_abi"):
+            assert private not in text, f"{path.name} names {private!r}: list CANN's scripts in docker/cann-env.sh only"
 
 
 def test_shell_scripts_are_shellcheck_clean():
@@ -148,3 +224,141 @@ def test_a_failing_install_step_is_named(tmp_path):
         done.stderr[-2000:]
     )
     assert not (tmp_path / "venv" / "build-manifest.json").exists()
+
+
+def _install_sh_functions(*names: str) -> str:
+    """The named shell functions of install.sh, to run one step's code on its own."""
+    lines = (REPO / "install.sh").read_text().splitlines()
+    out = []
+    for name in names:
+        (start,) = [i for i, line in enumerate(lines) if line.startswith(f"{name}() {{")]
+        # A one-line function ends on its own line; any other ends at the first line that is "}".
+        end = start if "; }" in lines[start] else lines.index("}", start)
+        out += lines[start : end + 1]
+    return "\n".join(out)
+
+
+def _wheel(directory: Path, dist: str, files: dict[str, str]) -> None:
+    """A minimal pure-Python wheel (METADATA, WHEEL, RECORD) holding ``files``."""
+    import zipfile
+
+    info = f"{dist.replace('-', '_')}-1.0.dist-info"
+    contents = {
+        **files,
+        f"{info}/METADATA": f"Metadata-Version: 2.1\nName: {dist}\nVersion: 1.0\n",
+        f"{info}/WHEEL": "Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: true\nTag: py3-none-any\n",
+    }
+    record = [f"{path},," for path in contents] + [f"{info}/RECORD,,"]
+    with zipfile.ZipFile(directory / f"{dist.replace('-', '_')}-1.0-py3-none-any.whl", "w") as z:
+        for path, text in contents.items():
+            z.writestr(path, text)
+        z.writestr(f"{info}/RECORD", "\n".join(record) + "\n")
+
+
+def test_replace_step_gives_the_shared_import_directory_back_to_its_package(tmp_path):
+    """triton-ascend and upstream triton both install `triton/`: installing triton overwrites
+    triton-ascend's files and uninstalling it deletes them. The replace step removes the intruder and
+    reinstalls the owner (forced, no deps); run again, it changes nothing; it also repairs an owner
+    whose files an uninstall deleted. Shown with two tiny wheels sharing `shared/`."""
+    wheels = tmp_path / "wheels"
+    wheels.mkdir()
+    _wheel(wheels, "vnpu-owner", {"shared/__init__.py": "WHO = 'owner'\n", "shared/owner_only.py": ""})
+    _wheel(wheels, "vnpu-intruder", {"shared/__init__.py": "WHO = 'intruder'\n", "shared/intruder_only.py": ""})
+    venv = tmp_path / "venv"
+    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
+    py = venv / "bin" / "python"
+    env = {**os.environ, "PIP_NO_INDEX": "1", "PIP_FIND_LINKS": str(wheels), "PIP_DISABLE_PIP_VERSION_CHECK": "1"}
+    pip = [str(py), "-m", "pip", "--quiet"]
+    subprocess.run([*pip, "install", "vnpu-owner", "vnpu-intruder"], env=env, check=True)
+    constraints = tmp_path / "constraints.txt"
+    constraints.write_text("vnpu-owner==1.0\n")
+    script = tmp_path / "replace.sh"
+    script.write_text(
+        "set -Eeuo pipefail\n"
+        f"PY={py}; CONSTRAINTS_FILE={constraints}; ARCH=x86_64; STEP=test; REPO_ROOT={REPO}\nINDEX_ARGS=()\n"
+        + _install_sh_functions(
+            "log", "die", "field", "pip_install", "installed_version", "same_version", "set_index_args",
+            "dist_intact", "run_replace_step",
+        )
+        + '\nrun_replace_step vnpu-owner "requirement=vnpu-owner==1.0|remove=vnpu-intruder"\n'
+    )  # fmt: skip
+    site = Path(subprocess.run([str(py), "-c", "import shared; print(shared.__path__[0])"], env=env,
+                               capture_output=True, text=True, check=True).stdout.strip())  # fmt: skip
+    assert (site / "__init__.py").read_text() == "WHO = 'intruder'\n"
+
+    def replace() -> subprocess.CompletedProcess[str]:
+        done = subprocess.run(["bash", str(script)], env=env, capture_output=True, text=True, check=False)
+        assert done.returncode == 0, done.stdout + done.stderr
+        return done
+
+    done = replace()
+    assert "uninstalling vnpu-intruder" in done.stdout
+    assert (site / "__init__.py").read_text() == "WHO = 'owner'\n" and (site / "owner_only.py").is_file()
+    assert not (site / "intruder_only.py").exists()
+    freeze = [*pip, "freeze"]
+    assert subprocess.run(freeze, env=env, capture_output=True, text=True).stdout.split() == ["vnpu-owner==1.0"]
+
+    again = replace()
+    assert "vnpu-owner 1.0 already installed with all its files" in again.stdout
+    assert "Successfully installed" not in again.stdout
+
+    # The intruder comes back and is uninstalled by hand: that deletes the owner's shared files too.
+    subprocess.run([*pip, "install", "vnpu-intruder"], env=env, check=True)
+    subprocess.run([*pip, "uninstall", "-y", "vnpu-intruder"], env=env, check=True)
+    assert not (site / "__init__.py").exists()
+    repaired = replace()
+    assert "uninstalling" not in repaired.stdout, repaired.stdout
+    assert "already installed" not in repaired.stdout, repaired.stdout
+    assert (site / "__init__.py").read_text() == "WHO = 'owner'\n"
+
+
+def test_git_step_applies_its_patches_before_installing_and_only_once(tmp_path):
+    """A git component's patches (vllm-ascend's requirements.txt) are applied to the pinned checkout
+    with `git apply --check` first, before `pip install -r requirements.txt`; a second run finds the
+    component installed with them; a changed patch reinstalls from a clean checkout."""
+    upstream, repo_root = tmp_path / "upstream", tmp_path / "verl-npu"
+    upstream.mkdir()
+    git = ["git", "-c", "user.name=t", "-c", "user.email=t@t", "-C"]
+    (upstream / "requirements.txt").write_text("torch==2.10.0\ntransformers==5.5.4\nfastapi<0.124.0\n")
+    subprocess.run([*git, str(upstream), "init", "-q"], check=True)
+    subprocess.run([*git, str(upstream), "add", "."], check=True)
+    subprocess.run([*git, str(upstream), "commit", "-qm", "pin"], check=True)
+    commit = subprocess.run([*git, str(upstream), "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
+    (upstream / "requirements.txt").write_text("torch==2.10.0\nfastapi<0.124.0\n")
+    patch = repo_root / "patches" / "comp" / "0001-drop-transformers.patch"
+    patch.parent.mkdir(parents=True)
+    diff = subprocess.run([*git, str(upstream), "diff"], capture_output=True, text=True, check=True).stdout
+    patch.write_text("Drop the transformers pin.\n\n" + diff)
+    subprocess.run([*git, str(upstream), "checkout", "-q", "requirements.txt"], check=True)
+
+    log, seen = tmp_path / "pip.log", tmp_path / "requirements-at-install.txt"
+    script = tmp_path / "git-step.sh"
+    script.write_text(
+        "set -Eeuo pipefail\n"
+        f"REPO_ROOT={repo_root}; SRC_DIR={tmp_path / 'src'}; RESOLVED_FILE={tmp_path / 'resolved'}; STEP=test\n"
+        + _install_sh_functions(
+            "log", "warn", "die", "field", "git_nodiscover", "record_resolved", "apply_patches", "run_git_step"
+        )
+        + f'\npip_install() {{ echo "$*" >>{log}; if [[ $1 == -r ]]; then cp "$2" {seen}; fi; }}\n'
+        + f'run_git_step comp "url={upstream}|ref=main|commit={commit}|install=vllm-ascend'
+        + '|patches=patches/comp/0001-drop-transformers.patch"\n'
+    )
+
+    def step() -> str:
+        done = subprocess.run(["bash", str(script)], capture_output=True, text=True, check=False)
+        assert done.returncode == 0, done.stdout + done.stderr
+        return done.stdout
+
+    out = step()
+    assert "applied patches/comp/0001-drop-transformers.patch" in out
+    assert seen.read_text() == "torch==2.10.0\nfastapi<0.124.0\n", "pip saw the unpatched requirements"
+    assert len(log.read_text().splitlines()) == 2  # -r requirements.txt, then the package itself
+
+    again = step()
+    assert "comp " + commit + " already installed with its patches" in again
+    assert len(log.read_text().splitlines()) == 2
+
+    patch.write_text(patch.read_text().replace("Drop the transformers pin.", "Drop it (reworded)."))
+    changed = step()
+    assert "applied patches/comp/0001-drop-transformers.patch" in changed and "already" not in changed
+    assert len(log.read_text().splitlines()) == 4

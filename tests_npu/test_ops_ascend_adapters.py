@@ -82,7 +82,7 @@ def test_lightning_indexer_selects_the_portable_keys(npu, topk, causal):
         (dict(dtype=torch.float32), "bfloat16 or float16 inputs of one dtype; got q=torch.float32"),
         (dict(dim=64), r"index head dim 128; got q \(8, 1, 4, 64\)"),
         (dict(heads=65), "1..64 index heads; got 65"),
-        (dict(topk=4096, sq=4100, skv=4100), "1..2048 keys per row; asked for 4096"),
+        (dict(topk=2500, sq=2600, skv=2600), "or a multiple of 1024 up to 8192; asked for 2500"),
         (dict(skv=9), "agree only for sq == skv; got sq=8, skv=9"),
     ],
 )
@@ -93,6 +93,18 @@ def test_lightning_indexer_refuses_inputs_outside_its_contract(npu, change, mess
     with pytest.raises(ascend.OperatorUnfit, match=message):
         ascend.lightning_indexer_topk(q, k, randn(sq, 1, heads, seed=2), shape["topk"])
     assert npu.CALLS == []
+
+
+def test_lightning_indexer_asks_for_a_long_top_k_it_takes_and_keeps_the_rows_keys(npu):
+    """sparse_count is 1..2048 or a multiple of 1024 up to 8192: a 3072 top-k over 2100 keys asks for 3072
+    (the operator pads with -1) and returns each row's 2100 best, as the portable backend does."""
+    sq, b, heads, topk = 2100, 1, 2, 3072
+    q, k, w = randn(sq, b, heads, 128, seed=0), randn(sq, b, 128, seed=1), randn(sq, b, heads, seed=2).abs()
+    ours = dispatch.dsa_indexer_topk(q, k, w, topk)
+    assert npu.CALLS == ["npu_lightning_indexer"] and ours.shape == (b, sq, sq)
+    portable = indexer_topk(q, k, w, topk)
+    for i in (0, 1, 700, sq - 1):
+        assert set(ours[0, i].tolist()) == {j for j in portable[0, i].tolist() if j <= i}, i
 
 
 # --- sparse attention --------------------------------------------------------------------------
@@ -157,11 +169,15 @@ def test_per_head_keys_fall_back_to_portable_with_one_log_line_or_fail_when_asce
         dispatch.dsa_sparse_attention(query, key, value, idx, 0.25)
 
 
-def test_sparse_flash_attention_refuses_a_value_outside_the_keys_memory_and_odd_head_counts(npu):
+def test_sparse_flash_attention_takes_values_in_memory_of_their_own_and_refuses_odd_shapes(npu):
     query, key = absorbed(8, 1, 4, seed=0)
     idx = causal_topk(1, 8, 3, seed=0)
-    with pytest.raises(ascend.OperatorUnfit, match=r"pass value = key\[\.\.\., :512\]; got value \(8, 1, 1, 512\)"):
-        ascend.sparse_flash_attention(query, key, key[..., :512].clone(), idx, 0.1)
+    shared = ascend.sparse_flash_attention(query, key, key[..., :512], idx, 0.1)
+    own = ascend.sparse_flash_attention(query, key, key[..., :512].clone(), idx, 0.1)  # not aliasing the key
+    assert npu.CALLS == ["npu_sparse_flash_attention"] * 2 and torch.equal(shared, own)
+    npu.CALLS.clear()
+    with pytest.raises(ascend.OperatorUnfit, match=r"latent values \[skv, b, 1, 512\].*got value \(8, 1, 1, 256\)"):
+        ascend.sparse_flash_attention(query, key, key[..., :256], idx, 0.1)
     query3 = randn(8, 1, 3, LATENT, seed=5)
     with pytest.raises(ascend.OperatorUnfit, match=r"query heads; got 3"):
         ascend.sparse_flash_attention(query3, key, key[..., :512], idx, 0.1)
@@ -183,7 +199,7 @@ def kl_inputs(sq, b, attn_heads, index_heads, seed):
 
 def test_fused_kl_loss_matches_the_portable_loss_and_gradients(npu):
     sq, b, scale, coeff = 20, 2, LATENT**-0.5, 0.7
-    q, weights, k, query, key = kl_inputs(sq, b, 8, 8, seed=0)
+    q, weights, k, query, key = kl_inputs(sq, b, 32, 8, seed=0)  # top-k 5: padded with -1 to the 1024 it takes
     idx = indexer_topk(q, k, weights, 5)
     fused = [t.clone().requires_grad_() for t in (q, weights, k)]
     loss = dispatch.dsa_indexer_loss(*fused, query, key, idx, scale, coeff, True)
@@ -207,13 +223,18 @@ def test_fused_kl_loss_matches_the_portable_loss_and_gradients(npu):
         ("per_head", "takes one key head shared by every query head"),
         ("tp", "with tensor parallelism the target needs every rank's heads"),
         ("heads", r"indexer heads; got 4"),
+        ("attention_heads", r"\(32, 64, 128\) attention heads; got 16"),
+        ("topk", "up to 8192 keys per row; got a top-k of 8193"),
     ],
 )
 def test_the_kl_loss_falls_back_where_the_fused_operator_does_not_fit(npu, caplog, case, message):
-    q, weights, k, query, key = kl_inputs(12, 1, 8, 4 if case == "heads" else 8, seed=1)
+    attention_heads = 16 if case == "attention_heads" else 32
+    q, weights, k, query, key = kl_inputs(12, 1, attention_heads, 4 if case == "heads" else 8, seed=1)
     if case == "per_head":
-        key = key.expand(-1, -1, 8, -1)
+        key = key.expand(-1, -1, attention_heads, -1)
     idx = indexer_topk(q, k, weights, 4)
+    if case == "topk":
+        idx = idx[..., :1].expand(-1, -1, 8193)  # repeats are allowed in a top-k set
     sparse = case != "dense"
     tp = object() if case == "tp" else None  # reaches the adapter only: the portable loss gets no group here
     with pytest.raises(ascend.OperatorUnfit, match=message):

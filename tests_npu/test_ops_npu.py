@@ -97,12 +97,13 @@ def test_npu_sparse_flash_attention_forward_and_backward_match_the_portable_atte
         assert_relatively_close(mine, ref, 3e-2, what)
 
 
-def test_npu_indexer_kl_loss_matches_the_portable_loss_and_gradients():
-    sq, b, scale, coeff = 256, 1, LATENT**-0.5, 0.5
-    query, key = absorbed(sq, b, 16, seed=0)
+@pytest.mark.parametrize("topk", [64, 2048])  # 64 is padded with -1 to the 1024 the operator takes
+def test_npu_indexer_kl_loss_matches_the_portable_loss_and_gradients(topk):
+    sq, b, scale, coeff = 2304, 1, LATENT**-0.5, 0.5
+    query, key = absorbed(sq, b, 32, seed=0)  # the operator takes 32, 64 or 128 attention heads
     q, k = randn(sq, b, 32, 128, seed=2), randn(sq, b, 128, seed=3)
     weights = randn(sq, b, 32, seed=4, scale=0.05)
-    idx = indexer_topk(q, k, weights, 64)
+    idx = indexer_topk(q, k, weights, topk)
     results = []
     for loss_fn in (dispatch.dsa_indexer_loss, indexer_kl_loss):
         leaves = [t.clone().requires_grad_() for t in (q, weights, k)]

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from verl_npu.preflight import run_preflight
-from verl_npu.preflight.checks import FAIL
+from verl_npu.preflight.checks import FAIL, WARN
 
 REPO = Path(__file__).resolve().parent.parent
 EXAMPLE = REPO / "examples" / "glm5_2"
@@ -51,8 +51,15 @@ def test_the_glm5_2_example_is_go_with_per_stage_hbm_and_per_node_host_ram():
     names = {c.name for c in report.checks}
     assert {"actor-build-plan", "actor-mesh", "rollout-mesh", "batch", "fits"} <= names
     plan = next(c for c in report.checks if c.name == "actor-build-plan").message
-    for feature in ("fused_rmsnorm", "dsa_fused_ascend", "param_offload", "optimizer_offload", "precision_aware"):
+    for feature in ("dsa_absorbed_mla", "dsa_fused_operators", "dsa_cp_kvallgather", "param_offload",
+                    "optimizer_offload", "precision_aware"):  # fmt: skip
         assert feature in plan
+    # what MindSpeed will really do with the launch, as the engine applies it
+    notes = [c.message for c in report.checks if c.name == "actor-build-plan"]
+    for said in ("MLASelfAttentionAbsorb replaces linear_kv_up_proj", "kv-allgather CP gathers the keys",
+                 "also at dsa_indexer_loss_coeff=0"):  # fmt: skip
+        assert any(said in n for n in notes), said
+    assert not [c for c in report.checks if c.status == WARN and c.area == "engine"]
 
 
 def _node_stages(memory) -> list[list[int]]:
@@ -119,20 +126,23 @@ def _node_stages(memory) -> list[list[int]]:
             [("    +$TRANSFORMER.use_fused_lightning_indexer_kl_loss=True \\\n", "")],
             "engine",
             "actor-build-plan",
-            "the three fused DSA operators only work together",
+            "MindSpeed's four DSA switches (use_dsa_absorb, use_fused_lightning_indexer, "
+            "use_fused_sparse_flash_attention, use_fused_lightning_indexer_kl_loss) go on or off together",
             id="dsa-fused-flags-partial",
         ),
         pytest.param(
-            [
-                (
-                    "    +$TRANSFORMER.use_fused_rmsnorm=True \\\n",
-                    "    +$TRANSFORMER.use_fused_rmsnorm=True \\\n    +$TRANSFORMER.normalization=LayerNorm \\\n",
-                )
-            ],
+            [("    +$TRANSFORMER.use_dsa_absorb=True \\\n", "")],
             "engine",
             "actor-build-plan",
-            "fused RMSNorm requires normalization='RMSNorm'",
-            id="fused-rmsnorm-with-layernorm",
+            "also set override_transformer_config.use_dsa_absorb=True",
+            id="dsa-fused-without-absorption",
+        ),
+        pytest.param(
+            [("TRAIN_TP=2 ", "TRAIN_TP=3 ")],
+            "engine",
+            "actor-build-plan",
+            "npu_sparse_flash_attention takes (1, 2, 4, 8, 16, 32, 64, 128) query heads per device",
+            id="fused-dsa-heads-per-device",
         ),
         pytest.param(
             [("data.train_batch_size=64", "data.train_batch_size=48")],
@@ -176,6 +186,29 @@ def test_broken_variant_gets_its_exact_diagnosis(tmp_path, edits, area, name, me
     matching = [f for f in failures(report) if f[0] == area and f[1] == name]
     assert matching, f"expected a failed {area}/{name} check, got {failures(report)}"
     assert any(message in f[2] for f in matching), matching
+
+
+def test_expandable_segments_in_the_env_file_stop_a_sleep_mode_rollout(tmp_path):
+    """vllm-ascend's CaMemAllocator (vLLM sleep mode, verl's default) asserts PYTORCH_NPU_ALLOC_CONF has no
+    expandable segments: the rollout would not start after the job queued."""
+    script = variant(tmp_path)
+    env = script.parent / "glm5_2.env"
+    env.write_text(env.read_text() + "PYTORCH_NPU_ALLOC_CONF=expandable_segments:True\n")
+    report = run_preflight(script)
+    assert report.verdict == "no-go"
+    (failed,) = [f for f in failures(report) if f[:2] == ("launch", "npu-alloc-conf")]
+    assert "CaMemAllocator asserts that it does not contain expandable_segments:True" in failed[2]
+    assert "+actor_rollout_ref.rollout.enable_sleep_mode=False" in failed[2]
+    off = variant(
+        tmp_path / "off",
+        (
+            "actor_rollout_ref.rollout.n=8",
+            "actor_rollout_ref.rollout.n=8 \\\n    +actor_rollout_ref.rollout.enable_sleep_mode=False",
+        ),
+    )
+    (off.parent / "glm5_2.env").write_text(env.read_text())
+    report_off = run_preflight(off)
+    assert report_off.verdict == "go", failures(report_off)  # sleep mode off: vLLM never builds CaMemAllocator
 
 
 def test_the_same_launch_fits_with_offload_and_not_without():
@@ -308,16 +341,16 @@ def test_a_repeated_check_reuses_the_cached_answer_until_the_model_config_change
 
 
 def test_without_the_fused_dsa_operators_the_chunked_dsa_patches_working_set_is_counted():
-    """Fused DSA flags off: verl-npu's dsa-* patches run DSA in query chunks (no [s, s] buffer); still go."""
+    """MindSpeed's DSA switches off: verl-npu's dsa-* patches run DSA in query chunks (no [s, s] buffer); still go."""
+    from verl_npu.contracts.mindspeed import DSA_SWITCHES
     from verl_npu.ops.chunking import DSA_ATTENTION_CHUNK_ELEMENTS
 
     otc = "actor_rollout_ref.actor.megatron.override_transformer_config"
-    flags = ("use_fused_lightning_indexer", "use_fused_sparse_flash_attention", "use_fused_lightning_indexer_kl_loss")
     fused = run_preflight(LAUNCH)
-    chunked = run_preflight(LAUNCH, [f"{otc}.{flag}=False" for flag in flags])
+    chunked = run_preflight(LAUNCH, [f"{otc}.{flag}=False" for flag in DSA_SWITCHES])
     assert chunked.verdict == "go", failures(chunked)
     plan = next(c for c in chunked.checks if c.name == "actor-build-plan").message
-    assert "dsa_fused_ascend" not in plan and "dsa" in plan
+    assert "dsa_fused_operators" not in plan and "dsa_absorbed_mla" not in plan and "dsa" in plan
     stages = zip(fused.memory.stages, chunked.memory.stages, strict=True)
     grew = [b.train["activations"] - a.train["activations"] for a, b in stages]
     # one query chunk's working set (four fp32 score-sized tensors at most) in place of the fused operators'

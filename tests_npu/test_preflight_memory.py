@@ -11,6 +11,7 @@ import json
 
 import pytest
 
+from verl_npu.engine.host_arena import next_power_of_two, power_of_two_chunks
 from verl_npu.preflight.memory import Activations, GiB, Offload, Parallelism, Precision, estimate
 from verl_npu.preflight.model_shape import ModelShape
 
@@ -183,13 +184,54 @@ def test_full_recompute_reduces_activations_and_flash_drops_the_score_buffers():
 
 
 def test_param_offload_floor_excludes_weights_and_grads_and_host_holds_what_left():
-    stage = estimate(DENSE, offload=Offload(param_offload=True)).stages[0]
+    stage = estimate(DENSE, offload=Offload(param_offload=True), platform="cuda").stages[0]
     assert stage.floor["weights"] == stage.floor["grads"] == 0
     assert stage.floor_bytes == stage.train["optimizer"] + stage.train["workspace"] + 2 * GiB
     assert stage.host_bytes == stage.train["weights"]  # grads are released, not copied
-    both = estimate(DENSE, offload=Offload(param_offload=True, optimizer_offload=True)).stages[0]
+    both = estimate(DENSE, offload=Offload(param_offload=True, optimizer_offload=True), platform="cuda").stages[0]
     assert both.floor_bytes == both.train["workspace"] + 2 * GiB
     assert both.host_bytes == both.train["weights"] + both.train["optimizer"]
+
+
+def test_host_ram_on_ascend_is_each_arenas_power_of_two_chunks_not_one_rounded_block():
+    """torch_npu's pinned allocator rounds a block up to a power of two; the manager's chunks sum to the need."""
+    both = Offload(param_offload=True, optimizer_offload=True)
+    ascend = estimate(DENSE, offload=both, platform="ascend").stages[0]
+    weights, optimizer = ascend.train["weights"], ascend.train["optimizer"]
+    chunks = power_of_two_chunks(weights).nbytes + power_of_two_chunks(optimizer).nbytes
+    assert ascend.host_bytes == chunks
+    assert weights + optimizer < chunks < weights + optimizer + 2 * 4096  # < one page per arena over the need
+    assert chunks < next_power_of_two(weights) + next_power_of_two(optimizer)  # what one block each would lock
+    assert estimate(DENSE, offload=both).stages[0].host_bytes == chunks  # Ascend is the default
+    assert "chunked on ascend" in ascend.details["host"]
+    for platform in ("cuda", "cpu"):  # one exact allocation each
+        assert estimate(DENSE, offload=both, platform=platform).stages[0].host_bytes == weights + optimizer
+    assert estimate(DENSE, platform="ascend").stages[0].host_bytes == 0  # nothing offloaded
+    with pytest.raises(ValueError, match="platform 'npu'"):
+        estimate(DENSE, platform="npu")
+
+
+def test_a_launch_estimate_counts_host_ram_on_its_platform():
+    from verl_npu.preflight.memory_plan import estimate_launch
+    from verl_npu.preflight.mesh import TrainMesh
+
+    megatron = {"param_offload": True, "optimizer_offload": True}
+    config = {
+        "actor_rollout_ref": {
+            "actor": {"megatron": megatron, "ppo_micro_batch_size_per_gpu": 1, "ppo_mini_batch_size": 2},
+            "rollout": {"n": 1, "gpu_memory_utilization": 0.5},
+        },
+        "data": {"max_prompt_length": 64, "max_response_length": 64},
+        "trainer": {"n_gpus_per_node": 8},
+    }
+    mesh = TrainMesh("actor", 1, 1, 1, 1, 1, 1, False, None, None, None)
+    host = {
+        platform: estimate_launch(config, DENSE, mesh, chip="a3", platform=platform)[0].stages[0].host_bytes
+        for platform in ("ascend", "cuda")
+    }
+    stage = estimate(DENSE, offload=Offload(True, True), platform="cuda").stages[0]
+    assert host["cuda"] == stage.train["weights"] + stage.train["optimizer"]
+    assert host["ascend"] == sum(power_of_two_chunks(stage.train[k]).nbytes for k in ("weights", "optimizer"))
 
 
 def test_host_ram_per_node_sums_the_ranks_of_two_stages():

@@ -96,6 +96,22 @@ def _mutate(tmp_path: Path, old: str, new: str) -> Path:
         ("schema = 1", "schema = 2", r"\[top level\] key 'schema' is 2; this verl-npu reads schema 1"),
         ('pairs_with = "torch"', 'pairs_with = "pytorch"', r"\[packages\.torch-npu\] key 'pairs_with' names 'pytorch'"),
         ("[python]", "[pyton]", r"\[top level\] key 'pyton' is not allowed.*did you mean 'python'"),
+        (
+            '"patches/vllm-ascend/0001-requirements-take-transformers-from-the-stack-drop-arctic-inference.patch"',
+            '"../vllm-ascend.diff"',
+            r"\[git\.vllm-ascend\] key 'patches' entry '\.\./vllm-ascend\.diff' must be a path under patches/",
+        ),
+        ('replaces = ["triton"]', 'replaces = "triton"', r"\[packages\.triton-ascend\] key 'replaces' must be a list"),
+        (
+            'replaces = ["triton"]',
+            'replaces = ["torch"]',
+            r"\[packages\.triton-ascend\] key 'replaces' names 'torch', which the manifest itself installs",
+        ),
+        (
+            'replaces = ["triton"]',
+            'replaces = ["triton-ascend"]',
+            r"\[packages\.triton-ascend\] key 'replaces' names the package itself",
+        ),
     ],
 )
 def test_malformed_manifest_errors_name_file_table_and_key(tmp_path, old, new, expected):
@@ -120,11 +136,53 @@ def test_plan_orders_the_ascend_adaptation_and_keeps_torch_first():
         assert names.index("torch") < names.index("torch-npu") < names.index("megatron-lm")
         assert names.index("megatron-lm") < names.index("megatron-adaptor")
         assert names.index("megatron-adaptor") < names.index("transformer-engine-npu") < names.index("mindspeed")
-        assert names[-2:] == ["verl-npu", "build-manifest.json"]
+        assert names[-3:] == ["verl-npu", "upstream-contracts", "build-manifest.json"]
     dev = [step.name for step in install_plan(stack, "dev", dev_tools=True)]
     assert "torch-npu" not in dev and "mindspeed" not in dev and "megatron-core" in dev
     with pytest.raises(StackError, match="unknown target 'a5'; valid targets: a2, a3, dev"):
         install_plan(stack, "a5")
+
+
+@pytest.mark.parametrize("target", ["a2", "a3"])
+def test_plan_installs_torch_companions_first_patches_vllm_ascend_and_replaces_triton_last(target):
+    steps = install_plan(load_stack(), target)
+    kinds = [(step.kind, step.name) for step in steps]
+    # vllm-ascend pins torchvision and torchaudio: the CPU builds go in right after torch, from its index.
+    torch = kinds.index(("pip", "torch"))
+    assert kinds[torch : torch + 3] == [("pip", "torch"), ("pip", "torchvision"), ("pip", "torchaudio")]
+    for step in steps[torch : torch + 3]:
+        assert step.fields["index_x86_64"] == "https://download.pytorch.org/whl/cpu"
+    vllm_ascend = steps[kinds.index(("git", "vllm-ascend"))]
+    assert vllm_ascend.fields["patches"] == (
+        "patches/vllm-ascend/0001-requirements-take-transformers-from-the-stack-drop-arctic-inference.patch"
+    )
+    # After every other third-party install: upstream triton out, triton-ascend back over it.
+    replace = kinds.index(("replace", "triton-ascend"))
+    assert steps[replace].fields == {
+        "requirement": "triton-ascend==3.2.2",
+        "index": "https://triton-ascend.osinfra.cn/pypi/simple/",
+        "remove": "triton",
+    }
+    assert max(i for i, (kind, _) in enumerate(kinds) if kind in ("pip", "git")) < replace
+    assert kinds[replace + 1 :] == [
+        ("local", "verl-npu"),
+        ("contracts", "upstream-contracts"),
+        ("build-manifest", "build-manifest.json"),
+    ]
+    assert "replace" not in {step.kind for step in install_plan(load_stack(), "dev")}
+
+
+def test_plan_refuses_a_git_patch_file_that_does_not_exist(tmp_path):
+    path = _mutate(
+        tmp_path,
+        '"patches/vllm-ascend/0001-requirements-take-transformers-from-the-stack-drop-arctic-inference.patch"',
+        '"patches/vllm-ascend/0009-missing.patch"',
+    )
+    with pytest.raises(
+        StackError, match=r"\[git\.vllm-ascend\] key 'patches' names 'patches/vllm-ascend/0009-missing\.patch'"
+    ):
+        install_plan(load_stack(path), "a3")
+    install_plan(load_stack(path), "dev")  # dev has no vllm-ascend
 
 
 def test_plan_refuses_a_patch_file_that_does_not_exist(tmp_path):
@@ -145,4 +203,5 @@ def test_constraints_pin_every_distribution_of_the_target():
     assert "torch-npu==2.10.0.post4" in stack.constraints("a3")
     assert "megatron-core==0.18.0" in stack.constraints("a3")
     assert "vllm==0.23.0" in stack.constraints("a3")
+    assert {"torchvision==0.25.0", "torchaudio==2.10.0"} <= set(stack.constraints("a3"))
     assert not any(c.startswith("torch-npu") for c in stack.constraints("dev"))

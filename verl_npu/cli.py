@@ -205,6 +205,67 @@ def cmd_ci_image_tag(args: argparse.Namespace) -> int:
     return 0
 
 
+def contract_pins(stack: Stack) -> dict[str, str]:
+    return {
+        "mindspeed": stack.git["mindspeed"].commit,
+        "vllm-ascend": stack.git["vllm-ascend"].commit,
+        "torch-npu": stack.packages["torch-npu"].version,
+    }
+
+
+def cmd_contracts_list(args: argparse.Namespace) -> int:
+    from verl_npu import contracts
+    from verl_npu.contracts.docs import render_markdown
+
+    if args.markdown:
+        print(render_markdown(contracts.ALL, contract_pins(load_stack(args.manifest))), end="")
+        return 0
+    table = Table(title="verl-npu contracts with the Ascend upstreams")
+    for column in ("id", "where", "what we rely on"):
+        table.add_column(column, overflow="fold")
+    for c in contracts.ALL:
+        table.add_row(c.id, f"{c.component}: {c.where}", c.relied_on)
+    _console().print(table)
+    return 0
+
+
+def cmd_contracts_verify(args: argparse.Namespace) -> int:
+    from verl_npu import contracts
+    from verl_npu.contracts.verify import sources_for, verify
+
+    overrides = {}
+    for item in args.source or []:
+        name, sep, directory = item.partition("=")
+        if not sep or name not in contracts.COMPONENTS:
+            print(
+                f"verl-npu contracts verify: --source {item!r}: expected NAME=DIR with NAME one of "
+                f"{', '.join(contracts.COMPONENTS)}",
+                file=sys.stderr,
+            )
+            return 2
+        overrides[name] = Path(directory)
+    components = args.component or list(contracts.COMPONENTS)
+    results = verify(contracts.ALL, sources_for(overrides, components), components=components)
+    failed = [r for r in results if not r.ok]
+    if args.json == "-":
+        print(json.dumps([r.to_dict() for r in results], indent=2))
+    else:
+        table = Table(title=f"verl-npu contracts: {', '.join(components)}")
+        for column in ("id", "where", "status", "detail"):
+            table.add_column(column, overflow="fold")
+        for r in results:
+            style = "green" if r.ok else "bold red"
+            table.add_row(
+                r.contract.id, f"{r.contract.component}: {r.contract.where}", f"[{style}]{r.status}[/]", r.detail
+            )
+        console = _console()
+        console.print(table)
+        console.print(f"{len(results) - len(failed)} of {len(results)} contracts hold")
+        if args.json:
+            Path(args.json).write_text(json.dumps([r.to_dict() for r in results], indent=2) + "\n")
+    return 1 if failed else 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="verl-npu", description="verl-npu: the Ascend NPU distribution of verl")
     parser.add_argument("--manifest", default=str(MANIFEST_PATH), help=argparse.SUPPRESS)
@@ -254,6 +315,25 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--plot", metavar="FILE.png", help="stacked HBM bar per pipeline stage")
     p.add_argument("--no-cache", action="store_true", help="recompute verl's validation and the model config")
     p.set_defaults(func=cmd_preflight)
+
+    contracts = sub.add_parser("contracts", help="facts verl-npu relies on in MindSpeed, vllm-ascend and torch-npu")
+    contracts_sub = contracts.add_subparsers(dest="contracts_command", required=True)
+    p = contracts_sub.add_parser("list", help="the recorded contracts")
+    p.add_argument("--markdown", action="store_true", help="print docs/ascend_contracts.md (generated)")
+    p.set_defaults(func=cmd_contracts_list)
+    p = contracts_sub.add_parser(
+        "verify", help="check the contracts against the installed sources (or --source dirs); exit 1 on any drift"
+    )
+    p.add_argument(
+        "--source",
+        action="append",
+        metavar="NAME=DIR",
+        help="check this source tree (checkout, unpacked wheel or sdist) for NAME instead of the installed one",
+    )
+    p.add_argument("--component", action="append", choices=("mindspeed", "vllm-ascend", "torch-npu"),
+                   help="only these components (repeatable; default: all)")  # fmt: skip
+    p.add_argument("--json", metavar="FILE", help="also write the results as JSON ('-': JSON on stdout only)")
+    p.set_defaults(func=cmd_contracts_verify)
 
     ci = sub.add_parser("ci", help="CI tools: compare a training log with a baseline; image tags")
     ci_sub = ci.add_subparsers(dest="ci_command", required=True)

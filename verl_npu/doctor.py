@@ -520,6 +520,68 @@ def check_external_modules(probe: Probe, target: str) -> list[Finding]:
     return [Finding("verl.external-modules", OK, value)]
 
 
+def check_allocator_env(probe: Probe, target: str) -> list[Finding]:
+    """PYTORCH_NPU_ALLOC_CONF with expandable segments stops vLLM's sleep mode (verl's default rollout)."""
+    from verl_npu.contracts.vllm_ascend import ALLOC_CONF_VARIABLE, EXPANDABLE_SEGMENTS
+
+    value = probe.env.get(ALLOC_CONF_VARIABLE)
+    if value is None or EXPANDABLE_SEGMENTS not in value:
+        shown = "unset" if value is None else f"={value}"
+        return [Finding("env.npu-alloc-conf", OK, f"{ALLOC_CONF_VARIABLE} {shown}")]
+    return [
+        Finding(
+            "env.npu-alloc-conf",
+            FAIL if target in NPU_TARGETS else WARN,
+            f"{ALLOC_CONF_VARIABLE}={value}: vllm-ascend's CaMemAllocator (vLLM sleep mode, verl's default "
+            "rollout.enable_sleep_mode=True) asserts that it does not contain "
+            f"{EXPANDABLE_SEGMENTS}, so the rollout cannot start",
+            f"unset {ALLOC_CONF_VARIABLE} (the verl-npu images do not set it), or run the rollout with "
+            "+actor_rollout_ref.rollout.enable_sleep_mode=False",
+        )
+    ]
+
+
+def _component_root(probe: Probe, import_name: str) -> Path | None:
+    locations = probe.module_locations(import_name)
+    if not locations:
+        return None
+    origin = Path(locations[0])
+    return origin.parent.parent if origin.name == "__init__.py" else origin.parent
+
+
+def check_contracts(probe: Probe, target: str, registry: Sequence[Any] | None = None) -> list[Finding]:
+    """The recorded facts about MindSpeed, vllm-ascend and torch-npu (``registry``, default: all
+    of verl_npu.contracts), against the sources installed where the probe looks."""
+    from verl_npu import contracts
+    from verl_npu.contracts.verify import IMPORT_NAMES, verify
+
+    registry = contracts.ALL if registry is None else registry
+    roots = {c: _component_root(probe, IMPORT_NAMES[c]) for c in contracts.COMPONENTS}
+    present = [c for c, root in roots.items() if root is not None]
+    absent = [c for c in contracts.COMPONENTS if c not in present]
+    findings = []
+    if absent:
+        status = FAIL if target in NPU_TARGETS else OK
+        detail = f"{', '.join(absent)} not installed" + ("" if status == FAIL else " (Ascend only)")
+        fix = f"bash install.sh --target {target}" if status == FAIL else ""
+        findings.append(Finding("contracts.installed", status, detail, fix))
+    failed = [r for r in verify(registry, roots, components=present) if not r.ok]
+    for result in failed:
+        findings.append(
+            Finding(
+                f"contracts.{result.contract.id}",
+                FAIL,
+                f"{result.contract.component}: {result.contract.where}: {result.detail}",
+                "the installed source is not the pinned one: rebuild the image, or review the change "
+                "(docs/ascend_contracts.md)",
+            )
+        )
+    if present and not failed:
+        checked = sum(c.component in present for c in registry)
+        findings.append(Finding("contracts", OK, f"{checked} recorded facts hold in {', '.join(present)}"))
+    return findings
+
+
 def check_system(probe: Probe, target: str) -> list[Finding]:
     findings = []
     try:
@@ -676,7 +738,12 @@ class Report:
 
 
 def diagnose(
-    probe: Probe | None = None, stack: Stack | None = None, *, layer: bool = False, ray: bool = True
+    probe: Probe | None = None,
+    stack: Stack | None = None,
+    *,
+    layer: bool = False,
+    ray: bool = True,
+    contracts: Sequence[Any] | None = None,
 ) -> Report:
     probe = probe or Probe.current()
     stack = stack or load_stack()
@@ -701,6 +768,8 @@ def diagnose(
     findings += check_patches(probe, stack, target)
     findings += check_modules(probe, stack, target)
     findings += check_external_modules(probe, target)
+    findings += check_allocator_env(probe, target)
+    findings += check_contracts(probe, target, contracts)
     findings += check_system(probe, target)
     if layer:
         findings += check_layer(probe, target, ray=ray)

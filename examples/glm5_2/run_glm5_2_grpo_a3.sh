@@ -33,6 +33,9 @@ if [[ -f "$JEMALLOC" ]]; then export LD_PRELOAD="$JEMALLOC${LD_PRELOAD:+:$LD_PRE
 
 MEGATRON=actor_rollout_ref.actor.megatron
 TRANSFORMER=$MEGATRON.override_transformer_config
+# DSA on Ascend: MindSpeed's four switches go together (use_dsa_absorb: absorbed MLA, the only form the
+# fused indexer / sparse attention / KL-loss operators take). No use_fused_rmsnorm / use_fused_swiglu:
+# MindSpeed core_r0.18.0 builds TE-NPU's RMSNorm and fused SwiGLU whatever they say (preflight warns).
 
 "$PYTHON" -m verl.trainer.main_ppo --config-name=ppo_megatron_trainer \
     algorithm.adv_estimator=grpo \
@@ -75,10 +78,9 @@ TRANSFORMER=$MEGATRON.override_transformer_config
     $TRANSFORMER.recompute_granularity=full \
     $TRANSFORMER.recompute_method=uniform \
     $TRANSFORMER.recompute_num_layers=1 \
-    +$TRANSFORMER.use_fused_rmsnorm=True \
-    +$TRANSFORMER.use_fused_swiglu=True \
     +$TRANSFORMER.use_flash_attn=True \
     +$TRANSFORMER.context_parallel_algo=kvallgather_cp_algo \
+    +$TRANSFORMER.use_dsa_absorb=True \
     +$TRANSFORMER.use_fused_lightning_indexer=True \
     +$TRANSFORMER.use_fused_sparse_flash_attention=True \
     +$TRANSFORMER.use_fused_lightning_indexer_kl_loss=True \

@@ -1,7 +1,8 @@
 """Stand-ins for the torch_npu operators that verl_npu.ops.ascend calls, for tests without an NPU.
 
-Each function has the signature torch_npu documents (op-plugin's op_plugin_functions.yaml and
-docs/context, see verl_npu/ops/ascend.py for the sources), asserts the input rules the operator
+Each function has exactly the signature torch-npu 2.10.0.post4 registers (recorded in
+verl_npu/contracts/torch_npu.py, checked against the wheel; tests_npu/test_contracts.py compares the
+two), asserts the input rules the operator
 documents or its kernel checks (dtypes, BSND layout, contiguity, int32 indices in the
 valid-first-then--1 form, head counts and dims, modes), so an adapter that hands the real operator
 something it would refuse fails here, and computes the documented result with plain PyTorch in
@@ -15,6 +16,8 @@ from __future__ import annotations
 import types
 
 import torch
+
+from verl_npu.contracts.torch_npu import INDEXER_SPARSE_COUNTS
 
 INT64_MAX = 2**63 - 1
 LOW_PRECISION = (torch.bfloat16, torch.float16)
@@ -83,18 +86,19 @@ def npu_lightning_indexer(
 ):  # fmt: skip
     """Stands in for ``torch_npu.npu_lightning_indexer(...) -> (sparse_indices, sparse_values)``.
 
-    BSND: query [B, S1, N1, 128] (N1 <= 64), key [B, S2, 1, 128], weights [B, S1, N1], all of one
-    fp16/bf16 dtype. Score of key j for query i: sum_h weights[h] * relu(query[h] . key[j]) (fp32);
-    sparse_mode=3 keeps keys j <= S2 - S1 + i, 0 keeps all. Returns the top ``sparse_count`` keys
-    per row, best first, int32 [B, S1, 1, sparse_count], a row's missing keys as -1 after its
-    valid ones; the values (query's dtype) only with ``return_value``. Indices carry no gradient.
+    BSND: query [B, S1, N1, 128] (N1 <= 64), key [B, S2, 1, 128] of query's fp16/bf16 dtype, weights
+    [B, S1, N1] in that dtype or fp32. sparse_count: 1..2048 or a multiple of 1024 up to 8192. Score
+    of key j for query i: sum_h weights[h] * relu(query[h] . key[j]) (fp32); sparse_mode=3 keeps
+    keys j <= S2 - S1 + i, 0 keeps all. Returns the top ``sparse_count`` keys per row, best first,
+    int32 [B, S1, 1, sparse_count], a row's missing keys as -1 after its valid ones; the values
+    (query's dtype) only with ``return_value``. Indices carry no gradient.
     """
     CALLS.append("npu_lightning_indexer")
     _rule(layout_query == layout_key == "BSND", "the stand-in covers layout BSND only")
     _rule(block_table is None, "block_table is for layout_key PA_BSND only")
     _rule(
-        query.dtype in LOW_PRECISION and key.dtype == weights.dtype == query.dtype,
-        f"query, key, weights: one dtype, fp16 or bf16; got {query.dtype}, {key.dtype}, {weights.dtype}",
+        query.dtype in LOW_PRECISION and key.dtype == query.dtype and weights.dtype in (query.dtype, torch.float32),
+        f"query, key: one dtype, fp16 or bf16, weights that or fp32; got {query.dtype}, {key.dtype}, {weights.dtype}",
     )
     _contiguous(query=query, key=key, weights=weights)
     _rule(query.dim() == 4 and key.dim() == 4, "BSND query and key are 4-D")
@@ -103,7 +107,7 @@ def npu_lightning_indexer(
     _rule(dim == 128 and key.shape == (batch, s2, 1, 128), f"head dim 128 and one key head; key {tuple(key.shape)}")
     _rule(1 <= heads <= 64, f"query heads must be <= 64, got {heads}")
     _rule(weights.shape == (batch, s1, heads), f"weights must be [B, S1, N1], got {tuple(weights.shape)}")
-    _rule(1 <= sparse_count <= 2048, f"sparse_count must be in [1, 2048], got {sparse_count}")
+    _rule(sparse_count in INDEXER_SPARSE_COUNTS, f"sparse_count: 1..2048 or 3072..8192 step 1024, got {sparse_count}")
     _rule(sparse_mode in (0, 3), f"sparse_mode must be 0 or 3, got {sparse_mode}")
     _rule(pre_tokens == next_tokens == INT64_MAX, "pre_tokens/next_tokens: only the default")
     _lengths("actual_seq_lengths_query", actual_seq_lengths_query, batch, s1)
@@ -127,24 +131,24 @@ def npu_sparse_flash_attention(
     query, key, value, sparse_indices, scale_value, *, block_table=None, actual_seq_lengths_query=None,
     actual_seq_lengths_kv=None, query_rope=None, key_rope=None, sparse_block_size=1, layout_query="BSND",
     layout_kv="BSND", sparse_mode=3, pre_tokens=INT64_MAX, next_tokens=INT64_MAX, attention_mode=0,
-    return_softmax_lse=False, sinks=None,
+    return_softmax_lse=False,
 ):  # fmt: skip
     """Stands in for ``torch_npu.npu_sparse_flash_attention(...) -> (attention_out, softmax_max, softmax_sum)``.
 
     attention_mode=2 (absorbed MLA, the only mode documented): query [B, S1, N1, 512] and
-    query_rope [B, S1, N1, 64]; key [B, S2, 1, 512], key_rope [B, S2, 1, 64]; value is the key's
-    memory. One fp16/bf16 dtype. Row i attends to the keys listed in sparse_indices[b, i, 0] (int32,
-    valid first, -1 after; each listed key is gathered, so a repeated one counts twice), those
-    after S2 - S1 + i masked (sparse_mode=3), with softmax(scale * [q, q_rope] . [k, k_rope]).
-    attention_out is query-shaped in query's dtype; with ``return_softmax_lse``
-    softmax_max/softmax_sum are fp32 [B, 1, S1, N1]: the row max of the scaled scores and the sum of
-    exp(score - max) (UNCONFIRMED that the scale is applied before the max; only the operator's own
-    backward and the KL-loss operator read them). Differentiable w.r.t. query, key, value,
-    query_rope, key_rope (torch_npu: npu_sparse_flash_attention_grad).
+    query_rope [B, S1, N1, 64]; key [B, S2, 1, 512], key_rope [B, S2, 1, 64]; value [B, S2, 1, 512]
+    (absorbed MLA's latent values; its own tensor or the key's). One fp16/bf16 dtype. Row i attends
+    to the keys listed in sparse_indices[b, i, 0] (int32, valid first, -1 after; each listed key is
+    gathered, so a repeated one counts twice), those after S2 - S1 + i masked (sparse_mode=3), with
+    softmax(scale * [q, q_rope] . [k, k_rope]). attention_out is query-shaped in query's dtype; with
+    ``return_softmax_lse`` softmax_max/softmax_sum are fp32 [B, 1, S1, N1]: the row max of the
+    scaled scores and the sum of exp(score - max) (UNCONFIRMED that the scale is applied before the
+    max; only the operator's own backward and the KL-loss operator read them). Differentiable w.r.t.
+    query, key, value, query_rope, key_rope (torch_npu: npu_sparse_flash_attention_grad).
     """
     CALLS.append("npu_sparse_flash_attention")
     _rule(layout_query == layout_kv == "BSND", "the stand-in covers layout BSND only")
-    _rule(block_table is None and sinks is None, "block_table (PA_BSND) and sinks are not covered")
+    _rule(block_table is None, "block_table (PA_BSND) is not covered")
     _rule(attention_mode == 2, f"attention_mode: only 2 (absorbed MLA) is supported, got {attention_mode}")
     _rule(query_rope is not None and key_rope is not None, "attention_mode=2 needs query_rope and key_rope")
     _rule(sparse_block_size == 1 and sparse_mode in (0, 3), "sparse_block_size 1, sparse_mode 0 or 3")
@@ -160,10 +164,7 @@ def npu_sparse_flash_attention(
     _rule(heads in (1, 2, 4, 8, 16, 32, 64, 128), f"query heads must be a power of two <= 128, got {heads}")
     _rule(dim == 512 and key.shape == (batch, s2, 1, 512), f"query/key D 512, one key head: key {tuple(key.shape)}")
     _rule(query_rope.shape == (batch, s1, heads, 64) and key_rope.shape == (batch, s2, 1, 64), "rope D 64")
-    _rule(
-        value.shape == key.shape and value.data_ptr() == key.data_ptr(),
-        "attention_mode=2: key and value share one tensor's memory",
-    )
+    _rule(value.shape == key.shape, f"value: [B, S2, 1, 512] like key, got {tuple(value.shape)}")
     _lengths("actual_seq_lengths_query", actual_seq_lengths_query, batch, s1)
     _lengths("actual_seq_lengths_kv", actual_seq_lengths_kv, batch, s2)
     valid = _check_sparse_indices(sparse_indices, batch, s1, s2)
@@ -189,15 +190,17 @@ def npu_sparse_flash_attention(
 def npu_sparse_lightning_indexer_grad_kl_loss(
     query, key, query_index, key_index, weights, sparse_indices, softmax_max, softmax_sum, scale_value, *,
     query_rope=None, key_rope=None, actual_seq_qlen=None, actual_seq_klen=None, layout="BSND", sparse_mode=3,
-    pre_tokens=INT64_MAX, next_tokens=INT64_MAX, sinks=None,
+    pre_tokens=INT64_MAX, next_tokens=INT64_MAX,
 ):  # fmt: skip
     """Stands in for ``torch_npu.npu_sparse_lightning_indexer_grad_kl_loss(...) -> (d_query_index, d_key_index,
     d_weights, loss)``.
 
-    BSND, sparse_mode=3, absorbed-MLA main attention: query [B, S1, N1, 512] (N1 in 8..128) with
-    query_rope [.., 64], key [B, S2, 1, 512] with key_rope; indexer query_index [B, S1, Nidx1, D]
-    (Nidx1 in 8..64), key_index [B, S2, 1, D], weights [B, S1, Nidx1]; sparse_indices int32
-    [B, S1, 1, K]; softmax_max/softmax_sum fp32 [B, 1, S1, N1] from npu_sparse_flash_attention.
+    BSND, sparse_mode=3, absorbed-MLA main attention: query [B, S1, N1, 512] (N1 in 32, 64, 128: the
+    TP-gathered heads) with query_rope [.., 64], key [B, S2, 1, 512] with key_rope; indexer
+    query_index [B, S1, Nidx1, D] (Nidx1 in 8, 16, 32, 64), key_index [B, S2, 1, D], weights
+    [B, S1, Nidx1] (fp16/bf16 or fp32); sparse_indices int32 [B, S1, 1, K], K a multiple of 1024 up
+    to 8192; softmax_max/softmax_sum fp32 [B, 1, S1, N1] from npu_sparse_flash_attention;
+    actual_seq_qlen/klen are int lists (TND only).
     Over each row's selected causal keys: p = L1-normalised sum over heads of
     exp(scale * q . k - softmax_max) / softmax_sum; I = sum_h weights_h * relu(query_index_h .
     key_index); loss = sum over the B * S1 rows of KL(p || softmax(I)) as fp32 [1]; the gradients
@@ -205,19 +208,24 @@ def npu_sparse_lightning_indexer_grad_kl_loss(
     """
     CALLS.append("npu_sparse_lightning_indexer_grad_kl_loss")
     _rule(layout == "BSND" and sparse_mode == 3, "the stand-in covers layout BSND; sparse_mode: only 3")
-    _rule(sinks is None and pre_tokens == next_tokens == INT64_MAX, "sinks/pre_tokens/next_tokens: defaults only")
-    _rule(actual_seq_qlen is None and actual_seq_klen is None, "actual_seq_qlen/klen are for layout TND")
+    _rule(pre_tokens == next_tokens == INT64_MAX, "pre_tokens/next_tokens: defaults only")
+    for name, lengths in (("actual_seq_qlen", actual_seq_qlen), ("actual_seq_klen", actual_seq_klen)):
+        _rule(
+            lengths is None or (isinstance(lengths, list | tuple) and all(isinstance(n, int) for n in lengths)),
+            f"{name} is an int list (SymInt[]), got {type(lengths).__name__}",
+        )
+        _rule(lengths is None, f"{name} is for layout TND, which the stand-in does not cover")
     same = dict(query=query, key=key, query_index=query_index, key_index=key_index)
     _rule(
         query.dtype in LOW_PRECISION and all(t.dtype == query.dtype for t in same.values()),
         f"query, key, query_index, key_index: one fp16/bf16 dtype; got {[t.dtype for t in same.values()]}",
     )
-    _rule(weights.dtype in LOW_PRECISION, f"weights must be fp16/bf16, got {weights.dtype}")
+    _rule(weights.dtype in (*LOW_PRECISION, torch.float32), f"weights must be fp16/bf16/fp32, got {weights.dtype}")
     _rule(query_rope is not None and key_rope is not None, "the absorbed-MLA form needs query_rope and key_rope")
     batch, s1, heads, dim = query.shape
     s2 = key.shape[1]
     idx_heads, idx_dim = query_index.shape[2], query_index.shape[3]
-    _rule(heads in (8, 16, 32, 64, 128) and dim == 512, f"query: N1 in 8..128, D 512; got {tuple(query.shape)}")
+    _rule(heads in (32, 64, 128) and dim == 512, f"query: N1 in 32, 64, 128 and D 512; got {tuple(query.shape)}")
     _rule(key.shape == (batch, s2, 1, 512), f"key: [B, S2, 1, 512], got {tuple(key.shape)}")
     _rule(query_rope.shape == (batch, s1, heads, 64) and key_rope.shape == (batch, s2, 1, 64), "rope D 64")
     _rule(idx_heads in (8, 16, 32, 64) and query_index.shape[:2] == (batch, s1), f"query_index {query_index.shape}")
@@ -226,6 +234,8 @@ def npu_sparse_lightning_indexer_grad_kl_loss(
     for name, stat in (("softmax_max", softmax_max), ("softmax_sum", softmax_sum)):
         _rule(stat.dtype == torch.float32 and stat.shape == (batch, 1, s1, heads), f"{name}: fp32 [B, 1, S1, N1]")
     valid = _check_sparse_indices(sparse_indices, batch, s1, s2)
+    width = sparse_indices.shape[3]
+    _rule(width % 1024 == 0 and width <= 8192, f"sparse_indices K: a multiple of 1024 up to 8192, got {width}")
     idx = sparse_indices[:, :, 0].long().clamp(min=0)
     valid = valid & (idx <= _causal_limit(s1, s2, query.device))
     with torch.no_grad():

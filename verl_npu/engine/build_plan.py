@@ -13,28 +13,40 @@ import importlib.util
 from collections.abc import Mapping
 from typing import Any
 
-OTC = "override_transformer_config"
-DSA_FUSED_FLAGS = (
-    "use_fused_lightning_indexer",
-    "use_fused_sparse_flash_attention",
-    "use_fused_lightning_indexer_kl_loss",
+from verl_npu.contracts.mindspeed import (
+    DSA_ABSORB,
+    DSA_CP_ALGORITHM,
+    DSA_FUSED_OPERATORS,
+    DSA_SWITCHES,
+    FUSED_KL_ATTENTION_HEADS,
 )
-FUSED_KL_LOSS_HEADS = (32, 64, 128)
-KV_ALLGATHER = "kvallgather_cp_algo"
+from verl_npu.contracts.torch_npu import INDEXER_SPARSE_COUNTS
+
+OTC = "override_transformer_config"
+DSA_FUSED_FLAGS = DSA_FUSED_OPERATORS
+KV_ALLGATHER = DSA_CP_ALGORITHM
 # Keys that MindSpeed reads from its arguments; megatron-core's TransformerConfig has no such field.
 MINDSPEED_ONLY_KEYS = (
     "use_fused_rmsnorm",
     "use_fused_swiglu",
     "use_flash_attn",
     "context_parallel_algo",
-    "use_dsa_absorb",
-    *DSA_FUSED_FLAGS,
+    *DSA_SWITCHES,
 )
 PRECISIONS = {
     "main_grads_dtype": ("fp32", "bf16"),
     "exp_avg_dtype": ("fp32", "fp16", "bf16", "fp8"),
     "exp_avg_sq_dtype": ("fp32", "fp16", "bf16", "fp8"),
 }
+# The fused DSA operators' input rules (torch-npu 2.10.0.post4, ops-transformer tiling; see
+# verl_npu/ops/ascend.py and verl_npu/contracts/torch_npu.py): one latent key head of 512 + 64 rope
+# channels, indexer heads of dim 128, and a top-k both the indexer (sparse_count) and the KL-loss
+# operator (multiples of 1024 up to 8192) take.
+FUSED_DSA_LATENT_DIM, FUSED_DSA_ROPE_DIM = 512, 64
+FUSED_DSA_INDEXER_HEADS = (8, 16, 32, 64)
+FUSED_DSA_INDEXER_HEAD_DIM = 128
+FUSED_DSA_TOPK = tuple(k for k in range(1024, 8193, 1024) if k in INDEXER_SPARSE_COUNTS)
+FUSED_DSA_HEADS_PER_DEVICE = (1, 2, 4, 8, 16, 32, 64, 128)
 
 
 _DTYPE_ALIASES = {
@@ -52,7 +64,11 @@ _DTYPE_ALIASES = {
 
 
 class BuildPlanError(ValueError):
-    """An invalid combination of engine settings (names the keys, the rule and an alternative)."""
+    """Invalid engine settings: every violated rule, each naming the keys, the rule and an alternative."""
+
+    def __init__(self, problems: list[str]):
+        self.problems = list(problems)
+        super().__init__("\n".join(self.problems))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -64,6 +80,8 @@ class BuildPlan:
     mindspeed_repatch: Mapping[str, Any] | None
     rmsnorm_impl: str | None
     notes: tuple[str, ...]
+    # settings that are valid but do nothing on this platform (preflight reports them as warnings)
+    warnings: tuple[str, ...] = ()
 
 
 def _get(obj: Any, key: str, default: Any = None) -> Any:
@@ -72,8 +90,9 @@ def _get(obj: Any, key: str, default: Any = None) -> Any:
     return getattr(obj, key, default)
 
 
-def _fail(keys: str, rule: str, alternative: str) -> None:
-    raise BuildPlanError(f"{keys}: {rule}. Instead: {alternative}")
+class _Problems(list):
+    def add(self, keys: str, rule: str, alternative: str) -> None:
+        self.append(f"{keys}: {rule}. Instead: {alternative}")
 
 
 def _normalization(otc: Mapping[str, Any], hf_config: Any) -> tuple[str, str]:
@@ -89,173 +108,287 @@ def _is_dsa(otc: Mapping[str, Any], hf_config: Any) -> bool:
 
 
 def build_plan(engine_config: Any, optimizer_config: Any, hf_config: Any, platform: str) -> BuildPlan:
-    """Validate and translate verl's McoreEngineConfig / McoreOptimizerConfig for our engine."""
+    """Validate and translate verl's McoreEngineConfig / McoreOptimizerConfig for our engine.
+
+    Every violated rule is collected and raised together in one :class:`BuildPlanError`.
+    """
     if platform not in ("ascend", "cuda", "cpu"):
-        raise BuildPlanError(f"platform {platform!r}: must be ascend, cuda or cpu")
+        raise BuildPlanError([f"platform {platform!r}: must be ascend, cuda or cpu"])
+    problems = _Problems()
     if not _get(engine_config, "vanilla_mbridge", False) and importlib.util.find_spec("megatron.bridge") is None:
-        _fail(
+        problems.add(
             "megatron.vanilla_mbridge=False",
             "verl 0.9.1 then builds models with Megatron-Bridge (megatron.bridge), which the verl-npu stack does "
             "not ship (it pins mbridge 0.15.1, patched for megatron-core 0.18)",
             "set actor_rollout_ref.actor.megatron.vanilla_mbridge=True (and ref/critic alike)",
         )
     otc = dict(_get(engine_config, OTC) or {})
-    user_ddp = dict(_get(engine_config, "override_ddp_config") or {})
-    features: list[str] = []
-    notes: list[str] = []
-    tf: dict[str, Any] = {k: v for k, v in otc.items() if k not in MINDSPEED_ONLY_KEYS}
-    ddp: dict[str, Any] = {}
-    repatch: dict[str, Any] = {k: otc[k] for k in MINDSPEED_ONLY_KEYS if k in otc}
-    rmsnorm_impl = None
+    plan = _Draft(platform=platform, tf={k: v for k, v in otc.items() if k not in MINDSPEED_ONLY_KEYS})
+    _rmsnorm(plan, problems, otc, hf_config)
+    _dsa(plan, problems, otc, engine_config, hf_config)
+    _offload_and_optimizer(plan, problems, engine_config, optimizer_config)
+    if problems:
+        raise BuildPlanError(problems)
+    return BuildPlan(
+        platform=platform,
+        features=tuple(plan.features),
+        transformer_overrides=plan.tf,
+        ddp_overrides=plan.ddp,
+        mindspeed_repatch=_mindspeed_repatch(plan, otc, engine_config) if platform == "ascend" else None,
+        rmsnorm_impl=plan.rmsnorm_impl,
+        notes=tuple(plan.notes),
+        warnings=tuple(plan.warnings),
+    )
 
-    # --- fused RMSNorm -------------------------------------------------------------------------
-    if otc.get("use_fused_rmsnorm"):
-        norm, source = _normalization(otc, hf_config)
-        if norm != "RMSNorm":
-            _fail(
-                f"{OTC}.use_fused_rmsnorm=True",
-                f"fused RMSNorm requires normalization='RMSNorm', but {source} gives {norm!r}",
-                f"remove {OTC}.use_fused_rmsnorm for this model",
-            )
-        tf["normalization"] = "RMSNorm"
-        rmsnorm_impl = "torch_npu.npu_rms_norm" if platform == "ascend" else "verl_npu.ops.rmsnorm.RMSNorm"
-        features.append("fused_rmsnorm")
-        notes.append(f"fused RMSNorm -> {rmsnorm_impl}")
 
-    # --- DSA -----------------------------------------------------------------------------------
-    fused_set = [flag for flag in DSA_FUSED_FLAGS if otc.get(flag)]
-    if _is_dsa(otc, hf_config):
-        features.append("dsa")
-        if _get(hf_config, "kv_lora_rank") is None and not otc.get("multi_latent_attention"):
-            _fail(
-                f"{OTC}.experimental_attention_variant='dsa'",
-                "DSA (DeepSeek sparse attention) requires multi-latent attention, and this model has no kv_lora_rank",
-                "use an MLA model (DeepSeek-V3.2, GLM-5) or drop experimental_attention_variant",
+@dataclasses.dataclass
+class _Draft:
+    platform: str
+    tf: dict[str, Any]
+    ddp: dict[str, Any] = dataclasses.field(default_factory=dict)
+    features: list[str] = dataclasses.field(default_factory=list)
+    notes: list[str] = dataclasses.field(default_factory=list)
+    warnings: list[str] = dataclasses.field(default_factory=list)
+    rmsnorm_impl: str | None = None
+
+
+def _mindspeed_repatch(plan: _Draft, otc: Mapping[str, Any], engine_config: Any) -> dict[str, Any]:
+    """What MindSpeed's ``repatch`` gets: the whole override_transformer_config, as upstream verl passes it.
+
+    MindSpeed's features decide from these args whether to apply (its DSA feature reads
+    experimental_attention_variant, for which it has no option) and its fused DSA path reads
+    context_parallel_size without a default (verl_npu/contracts/mindspeed.py), so both always go.
+    """
+    repatch = {**plan.tf, **{k: otc[k] for k in MINDSPEED_ONLY_KEYS if k in otc}}
+    repatch["context_parallel_size"] = int(_get(engine_config, "context_parallel_size", 1) or 1)
+    repatch.setdefault("use_flash_attn", True)
+    return repatch
+
+
+def _rmsnorm(plan: _Draft, problems: _Problems, otc: Mapping[str, Any], hf_config: Any) -> None:
+    norm, source = _normalization(otc, hf_config)
+    if plan.platform == "ascend":
+        # MindSpeed core_r0.18.0 builds every RMSNorm as TransformerEngine-NPU's (contract
+        # mindspeed-norm-ignores-use-fused-rmsnorm), so there is nothing to switch.
+        if norm == "RMSNorm":
+            plan.rmsnorm_impl = "TransformerEngine-NPU RMSNorm (MindSpeed's PTNorm)"
+        if otc.get("use_fused_rmsnorm"):
+            plan.warnings.append(
+                "use_fused_rmsnorm changes nothing on Ascend: MindSpeed core_r0.18.0 builds every RMSNorm as "
+                "TransformerEngine-NPU's RMSNorm whatever it says"
             )
-        if otc.get("qk_layernorm") is False:
-            _fail(
-                f"{OTC}.qk_layernorm=False",
-                "DSA requires qk_layernorm",
-                f"remove {OTC}.qk_layernorm (the engine enables it for DSA)",
-            )
-        if otc.get("apply_rope_fusion"):
-            _fail(
-                f"{OTC}.apply_rope_fusion=True",
-                "megatron-core's DSA asserts apply_rope_fusion=False",
-                f"remove {OTC}.apply_rope_fusion",
-            )
-        if _get(engine_config, "use_remove_padding", False):
-            _fail(
-                "use_remove_padding=True",
-                "DSA does not support packed (THD) input in megatron-core 0.18",
-                "set actor_rollout_ref.actor.megatron.use_remove_padding=False (and ref/critic alike)",
-            )
-        tf.update(
-            experimental_attention_variant="dsa",
-            multi_latent_attention=True,
-            qk_layernorm=True,
-            apply_rope_fusion=False,
+        if otc.get("use_fused_swiglu"):
+            plan.warnings.append("use_fused_swiglu has no effect: MindSpeed core_r0.18.0 reads it nowhere")
+        return
+    if otc.get("use_fused_swiglu"):
+        plan.warnings.append(f"use_fused_swiglu is a MindSpeed switch; {plan.platform} ignores it")
+    if not otc.get("use_fused_rmsnorm"):
+        return
+    if norm != "RMSNorm":
+        problems.add(
+            f"{OTC}.use_fused_rmsnorm=True",
+            f"fused RMSNorm requires normalization='RMSNorm', but {source} gives {norm!r}",
+            f"remove {OTC}.use_fused_rmsnorm for this model",
         )
-        for ours, theirs in (
-            ("dsa_indexer_n_heads", "index_n_heads"),
-            ("dsa_indexer_head_dim", "index_head_dim"),
-            ("dsa_indexer_topk", "index_topk"),
-        ):
-            if ours not in tf and _get(hf_config, theirs) is not None:
-                tf[ours] = _get(hf_config, theirs)
-        cp = int(_get(engine_config, "context_parallel_size", 1) or 1)
-        if cp > 1:
-            if platform != "ascend":
-                _fail(
-                    f"context_parallel_size={cp} with DSA",
-                    "megatron-core 0.18's DSA asserts context_parallel_size=1 (only MindSpeed on Ascend shards it)",
-                    "use context_parallel_size=1 off Ascend",
-                )
-            if otc.get("context_parallel_algo") != KV_ALLGATHER:
-                _fail(
-                    f"context_parallel_size={cp} with DSA, {OTC}.context_parallel_algo="
-                    f"{otc.get('context_parallel_algo')!r}",
-                    "DSA with context parallelism needs the kv-allgather CP algorithm",
-                    f"set {OTC}.context_parallel_algo={KV_ALLGATHER}",
-                )
-        if fused_set:
-            missing = [flag for flag in DSA_FUSED_FLAGS if flag not in fused_set]
-            if missing:
-                _fail(
-                    ", ".join(f"{OTC}.{f}=True" for f in fused_set),
-                    "the three fused DSA operators only work together",
-                    "also set " + ", ".join(f"{OTC}.{f}=True" for f in missing) + " (or none of them)",
-                )
-            heads = tf.get("dsa_indexer_n_heads")
-            if heads not in FUSED_KL_LOSS_HEADS:
-                _fail(
-                    f"{OTC}.use_fused_lightning_indexer_kl_loss=True with dsa_indexer_n_heads={heads}",
-                    f"the fused indexer KL loss supports {', '.join(map(str, FUSED_KL_LOSS_HEADS))} indexer heads",
-                    "drop the three fused DSA flags (the portable path has no head limit)",
-                )
-            if platform == "ascend":
-                features.append("dsa_fused_ascend")
-            else:
-                notes.append(f"{', '.join(DSA_FUSED_FLAGS)} are Ascend operators; {platform} uses the portable path")
-    elif fused_set:
-        _fail(
-            ", ".join(f"{OTC}.{f}=True" for f in fused_set),
-            "fused DSA operators need a DSA model",
-            f"set {OTC}.experimental_attention_variant=dsa on an MLA model, or drop the flags",
+        return
+    plan.tf["normalization"] = "RMSNorm"
+    plan.rmsnorm_impl = "verl_npu.ops.rmsnorm.RMSNorm"
+    plan.features.append("fused_rmsnorm")
+    plan.notes.append(f"fused RMSNorm -> {plan.rmsnorm_impl}")
+
+
+def _dsa(plan: _Draft, problems: _Problems, otc: Mapping[str, Any], engine_config: Any, hf_config: Any) -> None:
+    switches = [flag for flag in DSA_SWITCHES if otc.get(flag)]
+    if not _is_dsa(otc, hf_config):
+        if switches:
+            problems.add(
+                ", ".join(f"{OTC}.{f}=True" for f in switches),
+                "MindSpeed's DSA switches need a DSA model",
+                f"set {OTC}.experimental_attention_variant=dsa on an MLA model, or drop the switches",
+            )
+        return
+    plan.features.append("dsa")
+    if _get(hf_config, "kv_lora_rank") is None and not otc.get("multi_latent_attention"):
+        problems.add(
+            f"{OTC}.experimental_attention_variant='dsa'",
+            "DSA (DeepSeek sparse attention) requires multi-latent attention, and this model has no kv_lora_rank",
+            "use an MLA model (DeepSeek-V3.2, GLM-5) or drop experimental_attention_variant",
+        )
+    if otc.get("qk_layernorm") is False:
+        problems.add(
+            f"{OTC}.qk_layernorm=False",
+            "DSA requires qk_layernorm",
+            f"remove {OTC}.qk_layernorm (the engine enables it)",
+        )
+    if otc.get("apply_rope_fusion"):
+        problems.add(
+            f"{OTC}.apply_rope_fusion=True", "megatron-core's DSA asserts apply_rope_fusion=False", "remove it"
+        )
+    if otc.get("eod_mask_loss") or _get(engine_config, "eod_mask_loss", False):
+        problems.add("eod_mask_loss=True", "MindSpeed's DSA refuses EOD mask loss", "set eod_mask_loss=False")
+    if _get(engine_config, "use_remove_padding", False):
+        problems.add(
+            "use_remove_padding=True",
+            "DSA does not support packed (THD) input in megatron-core 0.18",
+            "set actor_rollout_ref.actor.megatron.use_remove_padding=False (and ref/critic alike)",
+        )
+    plan.tf.update(
+        experimental_attention_variant="dsa", multi_latent_attention=True, qk_layernorm=True, apply_rope_fusion=False
+    )
+    for ours, theirs in (
+        ("dsa_indexer_n_heads", "index_n_heads"),
+        ("dsa_indexer_head_dim", "index_head_dim"),
+        ("dsa_indexer_topk", "index_topk"),
+    ):
+        if ours not in plan.tf and _get(hf_config, theirs) is not None:
+            plan.tf[ours] = _get(hf_config, theirs)
+    _dsa_context_parallel(plan, problems, otc, engine_config)
+    if not switches:
+        return
+    if len(switches) < len(DSA_SWITCHES):
+        missing = [flag for flag in DSA_SWITCHES if flag not in switches]
+        problems.add(
+            ", ".join(f"{OTC}.{f}=True" for f in switches),
+            f"MindSpeed's four DSA switches ({', '.join(DSA_SWITCHES)}) go on or off together: the fused operators "
+            f"take absorbed MLA only (one latent key head, {DSA_ABSORB}), and the indexer operator's backward is the "
+            "KL-loss operator's",
+            "also set " + ", ".join(f"{OTC}.{f}=True" for f in missing) + " (or none of them)",
+        )
+        return
+    if plan.platform != "ascend":
+        plan.warnings.append(
+            f"{', '.join(DSA_SWITCHES)} are MindSpeed switches for Ascend's fused operators; {plan.platform} builds "
+            "megatron's unabsorbed MLA and runs verl-npu's portable/Triton DSA path"
+        )
+        return
+    before = len(problems)
+    _fused_dsa_shapes(problems, plan.tf, engine_config, hf_config)
+    if len(problems) > before:
+        return
+    plan.features += ["dsa_absorbed_mla", "dsa_fused_operators"]
+    plan.notes += [
+        f"{DSA_ABSORB}: MindSpeed's MLASelfAttentionAbsorb replaces linear_kv_up_proj with linear_k_up_proj + "
+        "linear_v_up_proj (the GLM-5 bridge maps both to HF kv_b_proj)",
+        "fused DSA: MindSpeed replaces DSAttention.forward and DSAIndexer.forward_with_scores with "
+        "npu_lightning_indexer + npu_sparse_flash_attention; verl-npu's dsa-* runtime patches are not in effect "
+        "on that path",
+        "fused DSA: npu_sparse_lightning_indexer_grad_kl_loss runs on every training forward, also at "
+        "dsa_indexer_loss_coeff=0 (MindSpeed multiplies its loss by the coefficient afterwards)",
+    ]
+
+
+def _dsa_context_parallel(plan: _Draft, problems: _Problems, otc: Mapping[str, Any], engine_config: Any) -> None:
+    cp = int(_get(engine_config, "context_parallel_size", 1) or 1)
+    if cp <= 1:
+        return
+    if plan.platform != "ascend":
+        problems.add(
+            f"context_parallel_size={cp} with DSA",
+            "megatron-core 0.18's DSA asserts context_parallel_size=1 (only MindSpeed on Ascend shards it)",
+            "use context_parallel_size=1 off Ascend",
+        )
+    elif otc.get("context_parallel_algo") != KV_ALLGATHER:
+        problems.add(
+            f"context_parallel_size={cp} with DSA, {OTC}.context_parallel_algo={otc.get('context_parallel_algo')!r}",
+            "DSA with context parallelism needs the kv-allgather CP algorithm (MindSpeed then lets megatron's "
+            "TransformerConfig accept DSA with CP > 1)",
+            f"set {OTC}.context_parallel_algo={KV_ALLGATHER}",
+        )
+    else:
+        plan.features.append("dsa_cp_kvallgather")
+        plan.notes.append(
+            f"context parallelism {cp} with DSA: MindSpeed's kv-allgather CP gathers the keys of every CP rank "
+            "and bypasses megatron-core 0.18's CP == 1 assertion for DSA"
         )
 
-    # --- offload and the precision-aware optimizer ----------------------------------------------
+
+def _fused_dsa_shapes(problems: _Problems, tf: Mapping[str, Any], engine_config: Any, hf_config: Any) -> None:
+    """The fused operators' input rules, checked on the model before a node finds them."""
+    switches = f"{OTC}.{DSA_ABSORB} and the fused DSA operators"
+    drop = f"drop the four DSA switches ({', '.join(DSA_SWITCHES)}); verl-npu's portable DSA path takes any shape"
+    latent, rope = _get(hf_config, "kv_lora_rank"), _get(hf_config, "qk_rope_head_dim")
+    if (latent, rope) != (FUSED_DSA_LATENT_DIM, FUSED_DSA_ROPE_DIM):
+        problems.add(
+            f"{switches} with kv_lora_rank={latent}, qk_rope_head_dim={rope}",
+            f"npu_sparse_flash_attention takes one latent key head of {FUSED_DSA_LATENT_DIM} channels plus "
+            f"{FUSED_DSA_ROPE_DIM} rope channels",
+            drop,
+        )
+    heads, tp = _get(hf_config, "num_attention_heads"), int(_get(engine_config, "tensor_model_parallel_size", 1) or 1)
+    if heads not in FUSED_KL_ATTENTION_HEADS:
+        problems.add(
+            f"{switches} with num_attention_heads={heads}",
+            f"the fused KL-loss operator takes the TP-gathered attention heads in {FUSED_KL_ATTENTION_HEADS} "
+            "(MindSpeed checks the same when it builds the TransformerConfig)",
+            drop,
+        )
+    elif heads % tp or heads // tp not in FUSED_DSA_HEADS_PER_DEVICE:
+        problems.add(
+            f"{switches} with num_attention_heads={heads}, tensor_model_parallel_size={tp}",
+            f"npu_sparse_flash_attention takes {FUSED_DSA_HEADS_PER_DEVICE} query heads per device",
+            "use a tensor parallel size that divides the heads into a power of two",
+        )
+    index_heads, index_dim = tf.get("dsa_indexer_n_heads"), tf.get("dsa_indexer_head_dim")
+    if index_heads not in FUSED_DSA_INDEXER_HEADS:
+        problems.add(
+            f"{switches} with dsa_indexer_n_heads={index_heads}",
+            f"the fused indexer and KL-loss operators take {FUSED_DSA_INDEXER_HEADS} indexer heads",
+            drop,
+        )
+    if index_dim != FUSED_DSA_INDEXER_HEAD_DIM:
+        problems.add(
+            f"{switches} with dsa_indexer_head_dim={index_dim}",
+            f"npu_lightning_indexer takes indexer head dim {FUSED_DSA_INDEXER_HEAD_DIM}",
+            drop,
+        )
+    topk = tf.get("dsa_indexer_topk")
+    if topk not in FUSED_DSA_TOPK:
+        problems.add(
+            f"{switches} with dsa_indexer_topk={topk}",
+            f"the fused KL-loss operator takes a top-k that is a multiple of 1024 up to 8192 (npu_lightning_indexer "
+            f"takes those too): {', '.join(map(str, FUSED_DSA_TOPK))}",
+            drop,
+        )
+
+
+def _offload_and_optimizer(plan: _Draft, problems: _Problems, engine_config: Any, optimizer_config: Any) -> None:
     if _get(engine_config, "param_offload", False):
-        features.append("param_offload")
+        plan.features.append("param_offload")
     if _get(engine_config, "optimizer_offload", False):
-        features.append("optimizer_offload")
+        plan.features.append("optimizer_offload")
+    user_ddp = dict(_get(engine_config, "override_ddp_config") or {})
     precision_aware = bool(_get(optimizer_config, "use_precision_aware_optimizer", False))
     raw = {key: str(_get(optimizer_config, key, "fp32")) for key in PRECISIONS}
     dtypes = {key: _DTYPE_ALIASES.get(value, value) for key, value in raw.items()}
     for key, value in dtypes.items():
         if value not in PRECISIONS[key]:
-            _fail(
+            problems.add(
                 f"optim.{key}={value}",
                 f"{key} must be one of {', '.join(PRECISIONS[key])}",
                 f"set optim.{key} to one of {', '.join(PRECISIONS[key])}",
             )
-    if precision_aware:
-        if not _get(engine_config, "use_distributed_optimizer", True):
-            _fail(
-                "optim.use_precision_aware_optimizer=True with megatron.use_distributed_optimizer=False",
-                "megatron's precision-aware optimizer requires the distributed optimizer",
-                "set megatron.use_distributed_optimizer=True",
-            )
-        if platform != "ascend" and importlib.util.find_spec("transformer_engine") is None:
-            _fail(
-                "optim.use_precision_aware_optimizer=True",
-                f"off Ascend it needs TransformerEngine's FusedAdam, which is not installed on this {platform} machine",
-                "install transformer_engine, or set optim.use_precision_aware_optimizer=False",
-            )
-        features.append("precision_aware_optimizer")
-        if "grad_reduce_in_fp32" not in user_ddp:
-            ddp["grad_reduce_in_fp32"] = dtypes["main_grads_dtype"] == "fp32"
-            notes.append(f"DDP gradient buckets follow main_grads_dtype={dtypes['main_grads_dtype']}")
-    else:
+    if not precision_aware:
         lowered = [f"optim.{k}={v}" for k, v in dtypes.items() if v != "fp32"]
         if lowered:
-            _fail(
+            problems.add(
                 ", ".join(lowered),
                 "lower-precision optimizer dtypes only take effect with the precision-aware optimizer",
                 "set optim.use_precision_aware_optimizer=True, or keep them at fp32",
             )
-
-    if platform == "ascend":
-        cp = int(_get(engine_config, "context_parallel_size", 1) or 1)
-        if cp > 1:
-            repatch["context_parallel_size"] = cp
-        repatch.setdefault("use_flash_attn", True)
-    return BuildPlan(
-        platform=platform,
-        features=tuple(features),
-        transformer_overrides=tf,
-        ddp_overrides=ddp,
-        mindspeed_repatch=repatch if platform == "ascend" else None,
-        rmsnorm_impl=rmsnorm_impl,
-        notes=tuple(notes),
-    )
+        return
+    if not _get(engine_config, "use_distributed_optimizer", True):
+        problems.add(
+            "optim.use_precision_aware_optimizer=True with megatron.use_distributed_optimizer=False",
+            "megatron's precision-aware optimizer requires the distributed optimizer",
+            "set megatron.use_distributed_optimizer=True",
+        )
+    if plan.platform != "ascend" and importlib.util.find_spec("transformer_engine") is None:
+        problems.add(
+            "optim.use_precision_aware_optimizer=True",
+            f"off Ascend it needs TransformerEngine's FusedAdam, not installed on this {plan.platform} machine",
+            "install transformer_engine, or set optim.use_precision_aware_optimizer=False",
+        )
+    plan.features.append("precision_aware_optimizer")
+    if "grad_reduce_in_fp32" not in user_ddp:
+        plan.ddp["grad_reduce_in_fp32"] = dtypes["main_grads_dtype"] == "fp32"
+        plan.notes.append(f"DDP gradient buckets follow main_grads_dtype={dtypes['main_grads_dtype']}")

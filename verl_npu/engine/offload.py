@@ -8,10 +8,18 @@ entry whatever its key and dtype, e.g. exp_avg, exp_avg_sq, int16 master_param r
 It works on storages, not tensors: every view (a parameter inside a DDP buffer, a main-grad view,
 a distributed-optimizer shard that aliases a model parameter) stays valid, each storage is copied
 once even when several kinds reference it, and the bytes round-trip exactly. Each kind has one host
-arena, pinned where the platform has pinned memory, allocated once (in the background from
-construction, so the first offload does not pay for it) and reused: host memory never holds two
-copies of the same state. Copies run on a side stream; onload makes the compute stream wait for
-them instead of blocking the host. Each transition logs bytes, seconds and GB/s at debug level.
+arena, allocated once (in the background from construction, so the first offload does not pay for
+it) and reused: host memory never holds two copies of the same state. Copies run on a side stream;
+onload makes the compute stream wait for them instead of blocking the host. Each transition logs
+bytes, seconds and GB/s at debug level.
+
+An arena takes the host RAM it needs and no more (verl_npu.engine.host_arena has the layouts and
+the reasons): on CUDA one pageable allocation pinned by cudaHostRegister; on Ascend (and any
+accelerator without host registration) power-of-two pinned chunks that torch's rounding pinned
+allocator gives exactly, a storage split across chunks where it straddles them; on the CPU one
+unpinned allocation. ``arena="chunked"`` (or ``VERL_NPU_OFFLOAD_ARENA=chunked``) forces the chunks
+anywhere. ``close()`` hands the arenas back and empties torch's pinned-block cache, which would
+otherwise keep the freed chunks locked.
 """
 
 from __future__ import annotations
@@ -21,10 +29,12 @@ import contextlib
 import dataclasses
 import logging
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import torch
+
+from verl_npu.engine.host_arena import CHUNKED, PAGEABLE, REGISTERED, ArenaPlan, choose_strategy, plan_arena
 
 logger = logging.getLogger(__name__)
 KINDS = ("params", "grads", "optimizer")
@@ -36,6 +46,35 @@ class _Slot:
     storage: torch.UntypedStorage
     nbytes: int
     offset: int
+
+
+@dataclasses.dataclass
+class HostArena:
+    """One kind's host memory: ``chunks`` laid out by ``plan`` (one chunk unless ``strategy`` is chunked)."""
+
+    strategy: str
+    plan: ArenaPlan
+    chunks: list[torch.Tensor]
+    pinned: bool
+    registered: bool = False  # pinned by cudaHostRegister: unregister before freeing
+
+    @property
+    def nbytes(self) -> int:
+        """Host bytes the arena holds (for pinned chunks: exactly what torch's allocator locked)."""
+        return self.plan.nbytes
+
+    def pieces(self, offset: int, nbytes: int) -> Iterator[tuple[torch.Tensor, slice]]:
+        """Arena bytes [offset, offset + nbytes) as (host view, the matching part of the slot), chunk by chunk."""
+        for seg in self.plan.segments(offset, nbytes):
+            host = self.chunks[seg.chunk][seg.chunk_offset : seg.chunk_offset + seg.nbytes]
+            yield host, slice(seg.slot_offset, seg.slot_offset + seg.nbytes)
+
+    def read(self, offset: int, nbytes: int) -> torch.Tensor:
+        """Arena bytes [offset, offset + nbytes) as one uint8 tensor: a view within a chunk, a copy across chunks."""
+        parts = [host for host, _ in self.pieces(offset, nbytes)]
+        if len(parts) == 1:
+            return parts[0]
+        return torch.cat(parts) if parts else torch.empty(0, dtype=torch.uint8)
 
 
 def _storage_key(tensor: torch.Tensor) -> int:
@@ -73,25 +112,49 @@ def _ddp_buffers(model_chunks: Iterable[Any]) -> Iterator[Any]:
                 yield from buffers
 
 
+def host_empty_cache_call(device_type: str, accel: Any) -> Callable[[], None] | None:
+    """The call that empties the pinned-block cache of ``device_type``'s host allocator, where torch has one."""
+    candidates = [getattr(accel, "host_empty_cache", None)]  # torch_npu.npu.host_empty_cache
+    accelerator = getattr(torch, "accelerator", None)
+    current = getattr(accelerator, "current_accelerator", lambda: None)()
+    if current is not None and current.type == device_type:  # the generic calls act on the current accelerator
+        candidates.append(getattr(accelerator, "empty_host_cache", None))
+        candidates.append(getattr(torch._C, "_accelerator_emptyHostCache", None))
+    if device_type == "cuda":
+        candidates.append(getattr(torch._C, "_host_emptyCache", None))  # CUDA's host allocator (torch >= 2.5)
+    return next((call for call in candidates if callable(call)), None)
+
+
 class OffloadManager:
-    def __init__(self, model_chunks: Iterable[Any], optimizer: Any = None, *, device: torch.device | str):
+    def __init__(
+        self,
+        model_chunks: Iterable[Any],
+        optimizer: Any = None,
+        *,
+        device: torch.device | str,
+        arena: str | None = None,
+    ):
+        """``arena``: "auto" (the device's strategy) or "chunked"; None reads $VERL_NPU_OFFLOAD_ARENA (default auto)."""
         self.model_chunks = list(model_chunks)
         self.optimizer = optimizer
         self.device = torch.device(device)
+        self.arena_strategy = choose_strategy(self.device.type, arena)
         self._accel = torch.get_device_module(self.device.type) if self.device.type != "cpu" else None
         self._stream = self._accel.Stream(device=self.device) if self._accel is not None else None
+        self._device_index = None
+        if self._accel is not None:
+            self._device_index = self.device.index if self.device.index is not None else self._accel.current_device()
         self._pin = self._accel is not None
         self._slots: dict[str, list[_Slot]] = {}
-        self._arenas: dict[str, torch.Tensor] = {}
+        self._arenas: dict[str, HostArena] = {}
         self._on_host: dict[str, bool] = dict.fromkeys(KINDS, False)
-        self._registered: list[torch.Tensor] = []
         self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="verl-npu-arena")
         self._pending_arenas: dict[str, concurrent.futures.Future] = {}
         for kind in ("params", "optimizer"):
             self._layout(kind)
             total = self._arena_bytes(kind)
             if total:
-                self._pending_arenas[kind] = self._pool.submit(self._allocate, total)
+                self._pending_arenas[kind] = self._pool.submit(self._allocate_in_background, total)
 
     # --- what belongs to which kind -------------------------------------------------------------
     def _tensors(self, kind: str) -> list[torch.Tensor]:
@@ -134,38 +197,82 @@ class OffloadManager:
         slots = self._slots.get(kind, [])
         return slots[-1].offset + slots[-1].nbytes if slots else 0
 
-    def _allocate(self, nbytes: int) -> torch.Tensor:
-        if self.device.type == "cuda":
-            # torch's pinned allocator rounds every block up to a power of two (an 8.8 GB arena would
-            # lock 16 GB); registering an exact pageable allocation pins exactly what we use.
-            arena = torch.empty(nbytes, dtype=torch.uint8)
-            if torch.cuda.cudart().cudaHostRegister(arena.data_ptr(), nbytes, 0) == 0:
-                self._registered.append(arena)
-                return arena
-            logger.warning(
-                "verl-npu offload: cudaHostRegister of %d bytes failed; using torch's pinned allocator", nbytes
-            )
-        return torch.empty(nbytes, dtype=torch.uint8, pin_memory=self._pin)
+    # --- host arenas ---------------------------------------------------------------------------
+    def _allocate_in_background(self, nbytes: int) -> HostArena:
+        if self._accel is not None:
+            # the current device is per thread: pin (and create any runtime context) on this manager's device
+            self._accel.set_device(self._device_index)
+        return self._allocate(nbytes)
 
-    def _arena(self, kind: str) -> torch.Tensor:
+    def _allocate(self, nbytes: int) -> HostArena:
+        if self.arena_strategy == REGISTERED:
+            arena = self._register(nbytes)
+            if arena is not None:
+                return arena
+        strategy = PAGEABLE if self.arena_strategy == PAGEABLE else CHUNKED
+        plan = plan_arena(strategy, nbytes)
+        chunks = [torch.empty(size, dtype=torch.uint8, pin_memory=self._pin) for size in plan.chunk_sizes]
+        return HostArena(strategy, plan, chunks, pinned=self._pin)
+
+    def _register(self, nbytes: int) -> HostArena | None:
+        """One exact pageable allocation pinned by cudaHostRegister; None when CUDA refuses it."""
+        plan = plan_arena(REGISTERED, nbytes)
+        if not nbytes:
+            return HostArena(REGISTERED, plan, [], pinned=True)
+        memory = torch.empty(nbytes, dtype=torch.uint8)
+        try:
+            status = torch.cuda.cudart().cudaHostRegister(memory.data_ptr(), nbytes, 0)
+            if int(status) == 0:
+                return HostArena(REGISTERED, plan, [memory], pinned=True, registered=True)
+        except (AttributeError, RuntimeError) as exc:  # a torch without the cudart binding
+            status = exc
+        logger.warning(
+            "verl-npu offload: cudaHostRegister of %d bytes failed (%s); using power-of-two pinned chunks",
+            nbytes,
+            status,
+        )
+        return None
+
+    def _arena(self, kind: str) -> HostArena:
         need = self._arena_bytes(kind)
         pending = self._pending_arenas.pop(kind, None)
         if pending is not None:
             self._arenas[kind] = pending.result()
         arena = self._arenas.get(kind)
-        if arena is None or arena.numel() < need:
-            if arena is not None:
-                logger.info("verl-npu offload: %s arena grows from %d to %d bytes", kind, arena.numel(), need)
-                self._release(self._arenas.pop(kind))
-            self._arenas[kind] = arena = self._allocate(need)
-        return arena
+        if arena is not None and arena.nbytes < need:
+            logger.info("verl-npu offload: %s arena grows from %d to %d bytes", kind, arena.nbytes, need)
+            self._release([self._arenas.pop(kind)])
+            self._arenas[kind] = self._allocate(need)
+            if arena.pinned and not arena.registered:
+                self._empty_host_cache()  # the old chunks the new plan did not reuse
+        elif arena is None:
+            self._arenas[kind] = self._allocate(need)
+        return self._arenas[kind]
+
+    def _release(self, arenas: list[HostArena]) -> None:
+        """Free the arenas (their device copies must be done); freed pinned chunks go back to torch's cache."""
+        for arena in arenas:
+            if arena.registered:
+                torch.cuda.cudart().cudaHostUnregister(arena.chunks[0].data_ptr())
+            arena.chunks.clear()  # also empties an arena a caller still holds (a snapshot): no stale pinning
+        # freeing a chunk records an event on each stream that copied it; it stays cached until those complete
+        self._wait_side_stream_on_host()
+
+    def _empty_host_cache(self) -> None:
+        """Give torch's cached free pinned blocks back to the OS: freed chunks stay locked in that cache until then."""
+        call = host_empty_cache_call(self.device.type, self._accel)
+        if call is None:
+            logger.warning("verl-npu offload: this torch cannot empty the %s pinned-memory cache", self.device.type)
+            return
+        call()
 
     # --- transitions ---------------------------------------------------------------------------
     def on_host(self, kind: str) -> bool:
         return self._on_host[kind]
 
     def host_bytes(self) -> int:
-        return sum(a.numel() for a in self._arenas.values())
+        """Host RAM the arenas hold now: pinned bytes on an accelerator (the chunks' sum where chunked)."""
+        return sum(a.nbytes for a in self._arenas.values())
 
     def _log(self, what: str, kind: str, nbytes: int, started: float) -> None:
         seconds = max(time.perf_counter() - started, 1e-9)
@@ -178,9 +285,9 @@ class OffloadManager:
         arena = self._arena(kind)
         with self._side_stream():
             for slot in slots:
-                arena[slot.offset : slot.offset + slot.nbytes].copy_(
-                    _bytes_view(slot.storage, self.device), non_blocking=self._pin
-                )
+                device_bytes = _bytes_view(slot.storage, self.device)
+                for host, part in arena.pieces(slot.offset, slot.nbytes):
+                    host.copy_(device_bytes[part], non_blocking=arena.pinned)
         self._wait_side_stream_on_host()
         return slots
 
@@ -220,9 +327,9 @@ class OffloadManager:
             arena = self._arenas[kind]
             with self._side_stream():
                 for slot in slots:
-                    _bytes_view(slot.storage, self.device).copy_(
-                        arena[slot.offset : slot.offset + slot.nbytes], non_blocking=self._pin
-                    )
+                    device_bytes = _bytes_view(slot.storage, self.device)
+                    for host, part in arena.pieces(slot.offset, slot.nbytes):
+                        device_bytes[part].copy_(host, non_blocking=arena.pinned)
             self._compute_waits_for_side_stream()
             self._on_host[kind] = False
             self._log("onload", kind, sum(s.nbytes for s in slots), started)
@@ -237,10 +344,11 @@ class OffloadManager:
         finally:
             self.offload(moved)
 
-    def snapshot_params_to_host(self) -> torch.Tensor:
+    def snapshot_params_to_host(self) -> HostArena:
         """Copy the parameters into their host arena (a checkpoint snapshot) and return the arena.
 
-        When the parameters are offloaded the arena already holds them: nothing is copied.
+        When the parameters are offloaded the arena already holds them: nothing is copied. A slot's
+        bytes are ``arena.read(slot.offset, slot.nbytes)``; the arena is emptied by close().
         """
         if self._on_host["params"]:
             return self._arenas["params"]
@@ -271,19 +379,16 @@ class OffloadManager:
         if self._accel is not None:
             self._accel.current_stream(self.device).synchronize()
 
-    def _release(self, arena: torch.Tensor) -> None:
-        if any(arena is registered for registered in self._registered):
-            torch.cuda.cudart().cudaHostUnregister(arena.data_ptr())
-            self._registered = [r for r in self._registered if r is not arena]
-
     def close(self) -> None:
-        """Give the host arenas back (the state must be on the device: onload first)."""
+        """Give the host arenas back (the state must be on the device: onload first), pinned cache included."""
         self._pool.shutdown(wait=True)
         for kind in KINDS:
             if self._on_host[kind]:
                 raise RuntimeError(f"close(): {kind} is still offloaded; onload it first")
         arenas = [*self._arenas.values(), *(future.result() for future in self._pending_arenas.values())]
-        for arena in arenas:
-            self._release(arena)
         self._arenas.clear()
         self._pending_arenas.clear()
+        self._wait_side_stream_on_host()  # onload's copies read the arenas until they land
+        self._release(arenas)
+        if any(arena.pinned and not arena.registered for arena in arenas):
+            self._empty_host_cache()

@@ -26,6 +26,9 @@ from __future__ import annotations
 
 import torch
 
+from verl_npu.contracts.mindspeed import FUSED_KL_ATTENTION_HEADS
+from verl_npu.contracts.torch_npu import INDEXER_SPARSE_COUNTS
+
 LOW_PRECISION = (torch.bfloat16, torch.float16)
 
 # npu_lightning_indexer: the kernel's tiling refuses any other head dim, key head count, top-k range
@@ -33,13 +36,17 @@ INDEXER_HEAD_DIM = 128
 # UNCONFIRMED for older torch_npu/CANN: op-plugin's torch_npu doc says "only 64", the kernel's
 # tiling checks no head count and its newer README says <= 64 (GLM-5 has 32)
 INDEXER_MAX_HEADS = 64
-INDEXER_MAX_TOPK = 2048
+# sparse_count takes 1..2048, then multiples of 1024 up to 8192 (contract torch-npu-lightning-indexer-sparse-count)
+INDEXER_SMALL_TOPK = 2048
 
 # npu_sparse_flash_attention / npu_sparse_lightning_indexer_grad_kl_loss: absorbed MLA only
 LATENT_DIM, ROPE_DIM = 512, 64
 SFA_QUERY_HEADS = (1, 2, 4, 8, 16, 32, 64, 128)
-KL_QUERY_HEADS = (8, 16, 32, 64, 128)
+# the KL-loss operator's Q_N is the TP-gathered attention head count (MindSpeed checks the same)
+KL_QUERY_HEADS = FUSED_KL_ATTENTION_HEADS
 KL_INDEXER_HEADS = (8, 16, 32, 64)
+# its sparse_indices width: a multiple of 1024 up to 8192 (ops-transformer's KL-loss tiling)
+KL_TOPK_STEP, KL_MAX_TOPK = 1024, 8192
 
 
 class OperatorUnfit(ValueError):
@@ -98,11 +105,16 @@ def lightning_indexer_topk(q: torch.Tensor, k: torch.Tensor, weights: torch.Tens
     sq, _, heads, dim = q.shape
     skv = k.shape[0]
     keep = min(topk, skv)
+    # short rows: ask for the configured top-k, which the operator pads with -1, and keep the first `keep`
+    count = keep if keep <= INDEXER_SMALL_TOPK else topk
     op = "npu_lightning_indexer"
     _same_low_precision(op, q=q, k=k)
     _require(dim == INDEXER_HEAD_DIM, f"{op} takes index head dim {INDEXER_HEAD_DIM}; got q {tuple(q.shape)}")
     _require(1 <= heads <= INDEXER_MAX_HEADS, f"{op} takes 1..{INDEXER_MAX_HEADS} index heads; got {heads}")
-    _require(1 <= keep <= INDEXER_MAX_TOPK, f"{op} keeps 1..{INDEXER_MAX_TOPK} keys per row; asked for {keep}")
+    _require(
+        count in INDEXER_SPARSE_COUNTS,
+        f"{op} keeps 1..{INDEXER_SMALL_TOPK} keys per row, or a multiple of 1024 up to 8192; asked for {count}",
+    )
     if causal:
         _square_causal(op, sq, skv)
     import torch_npu
@@ -114,10 +126,10 @@ def lightning_indexer_topk(q: torch.Tensor, k: torch.Tensor, weights: torch.Tens
             weights.to(q.dtype).permute(1, 0, 2).contiguous(),
             layout_query="BSND",
             layout_key="BSND",
-            sparse_count=keep,
+            sparse_count=count,
             sparse_mode=3 if causal else 0,
         )
-    indices = indices.squeeze(2).long()
+    indices = indices.squeeze(2)[..., :keep].long()
     if causal:
         # a -1 (the kernel's fill for missing keys, ops-transformer lightning_indexer_service_vector.h)
         # pads a row that has fewer causal keys than `keep`, all of which it selected, its own
@@ -131,8 +143,8 @@ def lightning_indexer_topk(q: torch.Tensor, k: torch.Tensor, weights: torch.Tens
 # --- DSA sparse attention ----------------------------------------------------------------------
 
 
-def sparse_indices(topk_indices: torch.Tensor, skv: int) -> torch.Tensor:
-    """[b, sq, 1, topk] int32 in the operators' form: each row's distinct causal keys first, -1 after.
+def sparse_indices(topk_indices: torch.Tensor, skv: int, width: int | None = None) -> torch.Tensor:
+    """[b, sq, 1, width or topk] int32 in the operators' form: each row's distinct causal keys first, -1 after.
 
     Our contract lets the top-k hold duplicates and keys after the query (both ignored). The
     operators want valid entries first (documented); UNCONFIRMED whether they would count a repeated
@@ -144,6 +156,8 @@ def sparse_indices(topk_indices: torch.Tensor, skv: int) -> torch.Tensor:
     repeat = torch.zeros_like(idx, dtype=torch.bool)
     repeat[..., 1:] = idx[..., 1:] == idx[..., :-1]
     idx = idx.masked_fill(repeat, skv).sort(dim=-1).values
+    if width is not None and width > idx.shape[-1]:
+        idx = torch.nn.functional.pad(idx, (0, width - idx.shape[-1]), value=skv)
     return idx.masked_fill(idx == skv, -1).to(torch.int32).unsqueeze(2).contiguous()
 
 
@@ -171,24 +185,22 @@ def _absorbed_parts(query: torch.Tensor, key: torch.Tensor):
     return tuple(t.contiguous() for t in parts)
 
 
-def _is_latent_of(value: torch.Tensor, key: torch.Tensor) -> bool:
-    """value is key[..., :512]: the same memory, which is what attention_mode=2 requires of key and value."""
-    return (
-        value.shape == (*key.shape[:3], LATENT_DIM)
-        and value.dtype == key.dtype
-        and value.data_ptr() == key.data_ptr()
-        and value.stride() == key.stride()
-    )
+def _is_latent_values(value: torch.Tensor, key: torch.Tensor) -> bool:
+    """value holds the latent values [skv, b, 1, 512] (absorbed MLA: the key's latent channels) in key's dtype.
+
+    The operator takes key and value as two tensors; they need not share memory.
+    """
+    return value.shape == (*key.shape[:3], LATENT_DIM) and value.dtype == key.dtype
 
 
 def sparse_flash_attention(query, key, value, topk_indices, softmax_scale: float) -> torch.Tensor:
     """dispatch.dsa_sparse_attention through ``npu_sparse_flash_attention`` (absorbed MLA, attention_mode=2).
 
     Takes the MQA form only: query [sq, b, np, 576], key [skv, b, 1, 576] (512 latent channels then
-    64 rope channels), value = key[..., :512] (the operator reads key and value from one tensor),
-    np in 1, 2, 4, ..., 128, sq == skv. Returns [sq, b, np * 512] in query's dtype. Differentiable:
-    torch_npu registers npu_sparse_flash_attention_grad, fed by the softmax statistics this call
-    asks for whenever a gradient is needed.
+    64 rope channels), value [skv, b, 1, 512] (the latent values: key[..., :512] in absorbed MLA, in
+    memory of its own or not), np in 1, 2, 4, ..., 128, sq == skv. Returns [sq, b, np * 512] in
+    query's dtype. Differentiable: torch_npu registers npu_sparse_flash_attention_grad, fed by the
+    softmax statistics this call asks for whenever a gradient is needed.
     """
     op = "npu_sparse_flash_attention"
     sq, b, heads, _ = query.shape
@@ -197,9 +209,9 @@ def sparse_flash_attention(query, key, value, topk_indices, softmax_scale: float
     _require(heads in SFA_QUERY_HEADS, f"{op} takes {SFA_QUERY_HEADS} query heads; got {heads}")
     _check_absorbed(op, query, key)
     _require(
-        _is_latent_of(value, key),
-        f"{op} reads value from the key's memory (attention_mode=2): pass value = key[..., :{LATENT_DIM}]; got value "
-        f"{tuple(value.shape)} in separate memory",
+        _is_latent_values(value, key),
+        f"{op} takes the latent values [skv, b, 1, {LATENT_DIM}] in key's dtype as value; got value "
+        f"{tuple(value.shape)} {value.dtype}",
     )
     _require(
         topk_indices.shape[:2] == (b, sq), f"topk_indices {tuple(topk_indices.shape)}: expected [b={b}, sq={sq}, topk]"
@@ -210,8 +222,9 @@ def sparse_flash_attention(query, key, value, topk_indices, softmax_scale: float
     q_nope, q_rope, k_nope, k_rope = _absorbed_parts(query, key)
     lengths = torch.full((b,), sq, dtype=torch.int32, device=query.device)
     needs_grad = torch.is_grad_enabled() and (query.requires_grad or key.requires_grad)
+    values = value.permute(1, 0, 2, 3).contiguous()
     out, _, _ = torch_npu.npu_sparse_flash_attention(
-        q_nope, k_nope, k_nope, sparse_indices(topk_indices, skv), float(softmax_scale),
+        q_nope, k_nope, values, sparse_indices(topk_indices, skv), float(softmax_scale),
         actual_seq_lengths_query=lengths, actual_seq_lengths_kv=lengths, query_rope=q_rope, key_rope=k_rope,
         sparse_block_size=1, layout_query="BSND", layout_kv="BSND", sparse_mode=3, attention_mode=2,
         return_softmax_lse=needs_grad,
@@ -231,7 +244,9 @@ class _FusedIndexerKLLoss(torch.autograd.Function):
 
         sq, b = q.shape[:2]
         q_nope, q_rope, k_nope, k_rope = _absorbed_parts(query, key)
-        indices = sparse_indices(topk_indices, key.shape[0])
+        # the operator takes a multiple of 1024 keys per row: shorter top-k sets are padded with -1
+        width = -(-topk_indices.shape[-1] // KL_TOPK_STEP) * KL_TOPK_STEP
+        indices = sparse_indices(topk_indices, key.shape[0], width)
         lengths = torch.full((b,), sq, dtype=torch.int32, device=q.device)
         # the loss's target is the main attention's softmax over the selected keys: its statistics
         # come from the sparse attention operator, as in MindSpeed's fused DSA
@@ -274,8 +289,9 @@ def indexer_kl_loss(
 
     The operator computes the sparse loss (megatron's ``dsa_indexer_use_sparse_loss=True``): its target is the
     main attention over the selected keys, read from npu_sparse_flash_attention's softmax statistics, so it
-    takes the absorbed-MLA form only (see sparse_flash_attention), N1 in 8..128, 8..64 indexer heads of dim
-    128, one device's heads (the target's head sum is not reduced across tensor-parallel ranks).
+    takes the absorbed-MLA form only (see sparse_flash_attention), N1 in 32, 64, 128, 8..64 indexer heads of
+    dim 128, one device's heads (the target's head sum is not reduced across tensor-parallel ranks), and up
+    to 8192 keys per row (padded with -1 to the multiple of 1024 it takes).
     """
     op = "npu_sparse_lightning_indexer_grad_kl_loss"
     sq, _, heads, dim = q.shape
@@ -291,6 +307,10 @@ def indexer_kl_loss(
     _require(weights.dtype in LOW_PRECISION, f"{op} takes bfloat16 or float16 weights; got {weights.dtype}")
     _require(query.shape[2] in KL_QUERY_HEADS, f"{op} takes {KL_QUERY_HEADS} attention heads; got {query.shape[2]}")
     _require(heads in KL_INDEXER_HEADS, f"{op} takes {KL_INDEXER_HEADS} indexer heads; got {heads}")
+    _require(
+        topk_indices.shape[-1] <= KL_MAX_TOPK,
+        f"{op} takes up to {KL_MAX_TOPK} keys per row; got a top-k of {topk_indices.shape[-1]}",
+    )
     # UNCONFIRMED as a hard limit: the operator's spec lists 128 as the indexer head dim's typical value
     _require(dim == INDEXER_HEAD_DIM, f"{op} is specified for indexer head dim {INDEXER_HEAD_DIM}; got {dim}")
     _check_absorbed(op, query, key)

@@ -129,6 +129,7 @@ def run_preflight(
         except OmegaConfBaseException as exc:
             report.checks.append(Check("config", "interpolation", FAIL, f"a value does not resolve: {exc}"))
             return report
+        report.checks += config_check.rollout_environment_checks(resolved, {**dict(env or {}), **launch.env})
         model_path = resolved["actor_rollout_ref"]["model"].get("path")
         hf, model_check, verl_checks = worker.ask(config, model_path, model_config)
         report.checks[position:position] = verl_checks
@@ -158,6 +159,6 @@ def _engine_mesh_memory(
     if any(c.status == FAIL for c in mesh_checks):
         return
     report.memory, memory_checks = memory_plan.estimate_launch(
-        resolved, shape, actor_mesh, chip=chip, host_memory_gib=host_memory_gib
+        resolved, shape, actor_mesh, chip=chip, host_memory_gib=host_memory_gib, platform=platform
     )
     report.checks += memory_checks

@@ -324,10 +324,12 @@ def engine_plans(config: Mapping[str, Any], hf_config: Any, platform: str = "asc
         try:
             plan = build_plan(engine, optim, hf_config, platform)
         except BuildPlanError as exc:
-            checks.append(Check("engine", f"{role}-build-plan", FAIL, f"{role}: {exc}"))
+            checks += [Check("engine", f"{role}-build-plan", FAIL, f"{role}: {problem}") for problem in exc.problems]
             continue
         features = ", ".join(plan.features) or "no verl-npu features"
         checks.append(Check("engine", f"{role}-build-plan", OK, f"{role} on {platform}: {features}"))
+        checks += [Check("engine", f"{role}-build-plan", OK, f"{role}: {note}") for note in plan.notes]
+        checks += [Check("engine", f"{role}-build-plan", WARN, f"{role}: {note}") for note in plan.warnings]
     checks += model_bridge_checks(hf_config)
     return checks
 
@@ -345,6 +347,37 @@ def model_bridge_checks(hf_config: Mapping[str, Any]) -> list[Check]:
     except (NotImplementedError, ValueError) as exc:
         return [Check("engine", "model-bridge", FAIL, f"the model cannot be built: {exc}")]
     return [Check("engine", "model-bridge", OK, f"{MODEL_TYPE}: verl-npu's GLM-5 bridge maps this config")]
+
+
+def rollout_environment_checks(config: Mapping[str, Any], env: Mapping[str, str]) -> list[Check]:
+    """Environment the rollout cannot start with: expandable segments under vLLM's sleep mode."""
+    from verl_npu.contracts.vllm_ascend import ALLOC_CONF_VARIABLE, EXPANDABLE_SEGMENTS
+
+    rollout = config["actor_rollout_ref"].get("rollout") or {}
+    value = env.get(ALLOC_CONF_VARIABLE)
+    if rollout.get("name") != "vllm" or value is None or EXPANDABLE_SEGMENTS not in value:
+        return []
+    if not rollout.get("enable_sleep_mode", True):
+        return [
+            Check(
+                "launch",
+                "npu-alloc-conf",
+                OK,
+                f"{ALLOC_CONF_VARIABLE}={value} with vLLM sleep mode off (rollout.enable_sleep_mode=False)",
+            )
+        ]
+    return [
+        Check(
+            "launch",
+            "npu-alloc-conf",
+            FAIL,
+            f"{ALLOC_CONF_VARIABLE}={value} with vLLM sleep mode (actor_rollout_ref.rollout.enable_sleep_mode=True, "
+            f"verl's default): vllm-ascend's CaMemAllocator asserts that it does not contain {EXPANDABLE_SEGMENTS}, "
+            f"so the rollout cannot start. Instead: leave {ALLOC_CONF_VARIABLE} unset (the verl-npu images do not "
+            "set it), or add +actor_rollout_ref.rollout.enable_sleep_mode=False (a RolloutConfig field verl's "
+            "YAML does not list)",
+        )
+    ]
 
 
 def as_mapping(config: Any) -> Mapping[str, Any]:

@@ -43,10 +43,14 @@ Assumptions (each one a reading of megatron-core 0.18 / verl 0.9.1 / verl_npu, o
     params to the host and releases the grad buffer; optimizer_offload moves main params and moments)
     + gpu_memory_utilization x capacity that vLLM reserves. vLLM's KV cache and weights are assumed
     released (sleep mode) during training. ``fits`` needs both phases within capacity.
-  * Host RAM: verl_npu's OffloadManager keeps one exact-size pinned arena per kind, so host bytes per
-    device = offloaded bytes (grads are released, not copied). Ranks are laid out megatron's default
-    "tp-cp-ep-dp-pp" (pp outermost): rank r is in stage r // (world / pp); a node holds
-    devices_per_node consecutive ranks, and the worst node is reported.
+  * Host RAM: verl_npu's OffloadManager keeps one host arena per offloaded kind (params, optimizer;
+    grads are released, not copied), and an arena's host bytes are what verl_npu.engine.host_arena
+    says for ``platform``: on "ascend" power-of-two pinned chunks summing to the kind's bytes rounded
+    up to 4 KiB (torch_npu's pinned allocator rounds each block to a power of two, so one block would
+    take up to 2x); on "cuda" one exact allocation pinned by cudaHostRegister; on "cpu" one exact
+    pageable allocation. Ranks are laid out megatron's default "tp-cp-ep-dp-pp" (pp outermost):
+    rank r is in stage r // (world / pp); a node holds devices_per_node consecutive ranks, and the
+    worst node is reported.
   * ``overhead_bytes`` (default 2 GiB) stands for the runtime's own allocations: communication
     buffers, kernel workspaces, allocator fragmentation. It is a knob, not a measurement.
 """
@@ -55,9 +59,12 @@ from __future__ import annotations
 
 import dataclasses
 
+from verl_npu.engine.host_arena import default_strategy
+from verl_npu.engine.host_arena import host_bytes as arena_host_bytes
 from verl_npu.preflight.model_shape import ModelShape
 
 GiB = 2**30
+PLATFORMS = ("ascend", "cuda", "cpu")  # as in verl_npu.engine.build_plan
 DTYPE_BYTES = {"fp32": 4, "float32": 4, "bf16": 2, "bfloat16": 2, "fp16": 2, "float16": 2, "fp8": 1, "int16": 2}
 
 
@@ -199,7 +206,7 @@ class StageEstimate:
     params: int  # parameters held by one device of this stage
     train: dict[str, int]  # bytes on the device during the training step, by component
     floor: dict[str, int]  # bytes left on the device while the actor is offloaded
-    host_bytes: int  # host RAM the offload arenas take for one device of this stage
+    host_bytes: int  # host RAM the offload arenas take for one device of this stage, on the estimate's platform
     details: dict[str, str]
 
     @property
@@ -220,6 +227,7 @@ class MemoryEstimate:
     worst_node: int
     worst_node_stages: tuple[int, ...]
     host_capacity_bytes: int | None = None
+    platform: str = "ascend"  # whose offload arenas host_bytes counts
 
     def rollout_bytes(self, stage: StageEstimate) -> int:
         return stage.floor_bytes + self.rollout_reserved_bytes
@@ -248,6 +256,7 @@ class MemoryEstimate:
             "worst_node": self.worst_node,
             "worst_node_stages": list(self.worst_node_stages),
             "host_capacity_bytes": self.host_capacity_bytes,
+            "platform": self.platform,
             "fits": self.fits,
             "stages": [
                 {**dataclasses.asdict(s), "train_bytes": s.train_bytes, "floor_bytes": s.floor_bytes,
@@ -419,7 +428,11 @@ def estimate(
     rollout_gpu_memory_utilization: float | None = None,
     overhead_bytes: int = 2 * GiB,
     host_capacity_bytes: int | None = None,
+    platform: str = "ascend",
 ) -> MemoryEstimate:
+    """``platform`` ("ascend", "cuda" or "cpu") decides how much host RAM an offload arena takes."""
+    if platform not in PLATFORMS:
+        raise ValueError(f"platform {platform!r}: use one of {', '.join(PLATFORMS)}")
     p, prec = parallelism or Parallelism(), precision or Precision()
     act, off = activations or Activations(), offload or Offload()
     if act.attention_kernel not in ("flash", "unfused"):
@@ -474,7 +487,8 @@ def estimate(
             "workspace": workspace,
             "overhead": overhead_bytes,
         }
-        host = train["weights"] * off.param_offload + optimizer * off.optimizer_offload
+        arenas = [train["weights"]] * off.param_offload + [optimizer] * off.optimizer_offload
+        host = sum(arena_host_bytes(platform, nbytes) for nbytes in arenas)
         shard = (
             f"dense over dp*cp={dense_shard}, experts over expert-dp={expert_shard}"
             if prec.use_distributed_optimizer
@@ -487,6 +501,7 @@ def estimate(
             "activations": act_details,
             "workspace": "unfused attention's global memory buffer" if workspace else "none",
             "overhead": "assumed: communication buffers, workspaces, fragmentation",
+            "host": f"{len(arenas)} offload arena(s), {default_strategy(platform)} on {platform}" if arenas else "none",
         }
         moe_layers = sum(1 for i in layers if shape.is_moe and shape.is_moe[i])
         stages.append(StageEstimate(stage, n, moe_layers, params, train, floor, host, details))
@@ -501,4 +516,5 @@ def estimate(
         worst_node=worst,
         worst_node_stages=p.node_stages()[worst],
         host_capacity_bytes=host_capacity_bytes,
+        platform=platform,
     )

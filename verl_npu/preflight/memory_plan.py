@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from verl_npu.engine.build_plan import DSA_FUSED_FLAGS
+from verl_npu.contracts.mindspeed import DSA_SWITCHES
 from verl_npu.preflight.checks import FAIL, OK, WARN, Check
 from verl_npu.preflight.memory import Activations, GiB, MemoryEstimate, Offload, Parallelism, Precision, estimate
 from verl_npu.preflight.mesh import TrainMesh
@@ -76,7 +76,7 @@ def estimate_launch(
         microbatches = max(int(actor["ppo_mini_batch_size"]) * n // max(mesh.dp, 1) // micro, 1)
     flash = platform == "ascend" and otc.get("use_flash_attn", True) is not False
     # MindSpeed replaces DSAttention only with its fused DSA operators on; otherwise verl-npu's chunked patches run
-    fused_dsa = platform == "ascend" and all(otc.get(flag) is True for flag in DSA_FUSED_FLAGS)
+    fused_dsa = platform == "ascend" and all(otc.get(flag) is True for flag in DSA_SWITCHES)
     parallelism = Parallelism(
         tp=mesh.tp,
         pp=mesh.pp,
@@ -123,6 +123,7 @@ def estimate_launch(
         capacity_bytes=stack.chips[chip].hbm_gib * GiB,
         rollout_gpu_memory_utilization=float(rollout.get("gpu_memory_utilization") or 0) if colocated else None,
         host_capacity_bytes=int(host_memory_gib * GiB) if host_memory_gib else None,
+        platform=platform,
     )
     return result, memory_checks(result, offload, chip)
 

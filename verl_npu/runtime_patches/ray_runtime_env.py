@@ -7,7 +7,10 @@ defined in the env file named by ``VERL_NPU_ENV_FILE`` (a cluster's one env file
 examples/glm5_2), with the launching shell's value where it has one.
 Why: verl 0.9.1 forwards neither. Workers on other nodes inherit the environment of their
 node's raylet, not of the driver, so they would run without the NPU layer or with different
-HCCL timeouts and determinism settings than the driver asked for.
+HCCL timeouts and determinism settings than the driver asked for. PYTORCH_NPU_ALLOC_CONF is not
+forwarded: expandable segments stop vLLM's sleep mode (contract
+vllm-ascend-sleep-mode-refuses-expandable-segments), and the workers' allocator settings are the
+node's.
 Upstream: verl 0.9.1 verl/trainer/constants_ppo.py (get_ppo_ray_runtime_env).
 Remove when: verl forwards VERL_USE_EXTERNAL_MODULES and the HCCL variables itself.
 """
@@ -35,7 +38,6 @@ FORWARDED_VARIABLES = (
     "HCCL_IF_BASE_PORT",
     "HCCL_SOCKET_IFNAME",
     "GLOO_SOCKET_IFNAME",
-    "PYTORCH_NPU_ALLOC_CONF",
     "ASCEND_LAUNCH_BLOCKING",
 )
 

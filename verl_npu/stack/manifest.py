@@ -53,6 +53,9 @@ class Package:
     index_x86_64: str | None = None
     pairs_with: str | None = None
     patches: tuple[str, ...] = ()
+    # Distributions that install the same import package as this one (upstream `triton` for
+    # triton-ascend): the plan removes them after every other install and reinstalls this package.
+    replaces: tuple[str, ...] = ()
 
     @property
     def requirement(self) -> str:
@@ -69,6 +72,7 @@ class GitComponent:
     install: str
     version: str | None = None
     import_name: str | None = None
+    patches: tuple[str, ...] = ()  # applied to the checkout (git apply --check first) before it is installed
 
     @property
     def verified(self) -> bool:
@@ -168,6 +172,7 @@ class _Table:
 
 
 _URL_RE = re.compile(r"^https://\S+$")
+_DIST_RE = re.compile(r"^[A-Za-z0-9]([A-Za-z0-9._-]*[A-Za-z0-9])?$")
 
 
 def _load_chip(path: Path, name: str, data: Any) -> Chip:
@@ -186,15 +191,27 @@ def _load_chip(path: Path, name: str, data: Any) -> Chip:
     )
 
 
-def _load_package(path: Path, name: str, data: Any) -> Package:
-    t = _Table(path, f"packages.{name}", data)
-    t.check_keys({"version", "targets"}, {"index", "index_x86_64", "pairs_with", "patches"})
+def _patches(t: _Table) -> tuple[str, ...]:
+    """The optional `patches` list: build-time source patches under patches/ (packages and git components)."""
     patches = t.data.get("patches", [])
     if not isinstance(patches, list) or not all(isinstance(p, str) for p in patches):
         t.fail("patches", f"must be a list of paths relative to the repository, found {patches!r}")
     for patch in patches:
         if not re.match(r"^patches/[A-Za-z0-9._/-]+\.patch$", patch) or ".." in patch:
             t.fail("patches", f"entry {patch!r} must be a path under patches/ ending in .patch")
+    if len(set(patches)) != len(patches):
+        t.fail("patches", f"lists a patch twice: {patches!r}")
+    return tuple(patches)
+
+
+def _load_package(path: Path, name: str, data: Any) -> Package:
+    t = _Table(path, f"packages.{name}", data)
+    t.check_keys({"version", "targets"}, {"index", "index_x86_64", "pairs_with", "patches", "replaces"})
+    replaces = t.data.get("replaces", [])
+    if not isinstance(replaces, list) or not all(isinstance(r, str) and _DIST_RE.match(r) for r in replaces):
+        t.fail("replaces", f"must be a list of distribution names, found {replaces!r}")
+    if name in replaces:
+        t.fail("replaces", f"names the package itself ({name!r})")
     return Package(
         name=name,
         version=t.string("version", _VERSION_RE, "a PEP 440 version"),
@@ -202,13 +219,14 @@ def _load_package(path: Path, name: str, data: Any) -> Package:
         index=t.optional_string("index", _URL_RE, "an https:// URL"),
         index_x86_64=t.optional_string("index_x86_64", _URL_RE, "an https:// URL"),
         pairs_with=t.optional_string("pairs_with"),
-        patches=tuple(patches),
+        patches=_patches(t),
+        replaces=tuple(replaces),
     )
 
 
 def _load_git(path: Path, name: str, data: Any) -> GitComponent:
     t = _Table(path, f"git.{name}", data)
-    t.check_keys({"url", "ref", "commit", "targets", "install"}, {"version", "import_name"})
+    t.check_keys({"url", "ref", "commit", "targets", "install"}, {"version", "import_name", "patches"})
     commit = t.string("commit")
     if commit != UNVERIFIED and not _SHA_RE.match(commit):
         t.fail(
@@ -227,6 +245,7 @@ def _load_git(path: Path, name: str, data: Any) -> GitComponent:
         install=install,
         version=t.optional_string("version", _VERSION_RE, "a PEP 440 version"),
         import_name=t.optional_string("import_name"),
+        patches=_patches(t),
     )
 
 
@@ -259,4 +278,9 @@ def load_stack(path: Path | str = MANIFEST_PATH) -> Stack:
             _Table(path, f"packages.{pkg.name}", {}).fail(
                 "pairs_with", f"names {pkg.pairs_with!r}, which is not a [packages] entry"
             )
+        for dist in pkg.replaces:
+            if dist in packages:
+                _Table(path, f"packages.{pkg.name}", {}).fail(
+                    "replaces", f"names {dist!r}, which the manifest itself installs ([packages.{dist}])"
+                )
     return Stack(path=path, schema=raw["schema"], python=python, chips=chips, packages=packages, git=git)

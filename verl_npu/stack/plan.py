@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import dataclasses
 
-from verl_npu.stack.manifest import NPU_TARGETS, REPO_ROOT, TARGETS, Stack, StackError
+from verl_npu.stack.manifest import NPU_TARGETS, REPO_ROOT, TARGETS, Package, Stack, StackError
 
 
 @dataclasses.dataclass(frozen=True)
 class Step:
-    kind: str  # python | chip | pip | git | local | build-manifest
+    kind: str  # python | chip | pip | git | replace | local | contracts | build-manifest
     name: str
     fields: dict[str, str]
 
@@ -35,39 +35,56 @@ def install_plan(stack: Stack, target: str, *, dev_tools: bool = False) -> list[
             )
         )
     pkgs = {p.name: p for p in stack.packages_for(target)}
-    for pkg in pkgs.values():
-        for patch in pkg.patches:
+    tables = [(f"packages.{p.name}", p.patches) for p in pkgs.values()]
+    tables += [(f"git.{g.name}", g.patches) for g in stack.git_for(target)]
+    for table, patches in tables:
+        for patch in patches:
             if not (REPO_ROOT / patch).is_file():
                 raise StackError(
-                    f"{stack.path}: [packages.{pkg.name}] key 'patches' names {patch!r}, "
-                    f"which does not exist in {REPO_ROOT}"
+                    f"{stack.path}: [{table}] key 'patches' names {patch!r}, which does not exist in {REPO_ROOT}"
                 )
+    replacing = [p for p in pkgs.values() if p.replaces]
 
-    def pip_step(name: str) -> None:
-        pkg = pkgs.pop(name, None)
-        if pkg is None:
-            return
+    def index_fields(pkg: Package) -> dict[str, str]:
         fields = {"requirement": pkg.requirement}
         if pkg.index:
             fields["index"] = pkg.index
         if pkg.index_x86_64 and target in NPU_TARGETS:
             fields["index_x86_64"] = pkg.index_x86_64
+        return fields
+
+    def pip_step(name: str) -> None:
+        pkg = pkgs.pop(name, None)
+        if pkg is None:
+            return
+        fields = index_fields(pkg)
         if pkg.patches:
             fields["patches"] = ",".join(pkg.patches)
         steps.append(Step("pip", name, fields))
 
-    # The accelerator runtime first: everything after it is constrained to the same torch.
-    for name in ("torch", "torch-npu", "triton-ascend"):
+    # The accelerator runtime first: everything after it is constrained to the same torch, and
+    # torch's companions (pinned by vllm-ascend) come from the same index right after it.
+    for name in ("torch", "torchvision", "torchaudio", "torch-npu", "triton-ascend"):
         pip_step(name)
     for comp in stack.git_for(target):
         fields = {"url": comp.url, "ref": comp.ref, "commit": comp.commit, "install": comp.install}
         if comp.version:
             fields["version"] = comp.version
+        if comp.patches:
+            fields["patches"] = ",".join(comp.patches)
         steps.append(Step("git", comp.name, fields))
     for name in ("megatron-core", "transformers", "mbridge", "verl"):
         pip_step(name)
     for name in sorted(pkgs):  # anything added to the manifest later still gets installed
         pip_step(name)
+    # After every third-party install (vllm's requirements bring upstream triton on x86_64): remove
+    # the distributions that share a package's import directory and reinstall the package over them.
+    for pkg in replacing:
+        steps.append(Step("replace", pkg.name, {**index_fields(pkg), "remove": ",".join(pkg.replaces)}))
     steps.append(Step("local", "verl-npu", {"extras": "dev" if dev_tools else ""}))
+    if target in NPU_TARGETS:
+        # the facts verl-npu relies on in MindSpeed, vllm-ascend and torch-npu, against what was just
+        # installed: a drifted upstream fails the image build, not a job (docs/ascend_contracts.md)
+        steps.append(Step("contracts", "upstream-contracts", {}))
     steps.append(Step("build-manifest", "build-manifest.json", {}))
     return steps

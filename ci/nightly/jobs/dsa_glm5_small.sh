@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Nightly (A3, 16 NPUs): GRPO on a small GLM-5-shaped model (MLA + DSA + MoE; config in
-# ci/nightly/models/glm5_small, random weights made by make_glm5_small.py) with the fused DSA
-# operators, fused RMSNorm, EP and offload. Run through ci/nightly/run_job.sh.
+# ci/nightly/models/glm5_small, random weights made by make_glm5_small.py) with MindSpeed's absorbed MLA
+# and fused DSA operators, EP and offload. Run through ci/nightly/run_job.sh.
 # multinode_grpo.sh sets the DSA_JOB_* values below (nodes, EP, rollout TP, batch, experiment) and
 # sources this file: one launch for both jobs.
 # preflight: --chip a3 --model-config ci/nightly/models/glm5_small
@@ -38,8 +38,8 @@ python3 -m verl.trainer.main_ppo --config-name=ppo_megatron_trainer \
     $MEGATRON.vanilla_mbridge=True \
     $MEGATRON.param_offload=True \
     $MEGATRON.optimizer_offload=True \
-    +$TRANSFORMER.use_fused_rmsnorm=True \
     +$TRANSFORMER.use_flash_attn=True \
+    +$TRANSFORMER.use_dsa_absorb=True \
     +$TRANSFORMER.use_fused_lightning_indexer=True \
     +$TRANSFORMER.use_fused_sparse_flash_attention=True \
     +$TRANSFORMER.use_fused_lightning_indexer_kl_loss=True \

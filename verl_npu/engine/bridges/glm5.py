@@ -6,8 +6,10 @@ mbridge 0.15.1 has no ``glm_moe_dsa`` bridge, so verl's vanilla-mbridge path can
 * the config mapping to megatron-core 0.18's ``MLATransformerConfig``, DSA included
   (``experimental_attention_variant="dsa"``, indexer heads, head dim and top-k) and GLM-5's router;
 * HF <-> megatron names for the DSA indexer (``self_attn.indexer.*`` <->
-  ``self_attention.core_attention.indexer.*``), and for the local spec's separate q/kv norms and
-  SequentialMLP experts (verl_npu.engine.layer_spec) besides TransformerEngine's names;
+  ``self_attention.core_attention.indexer.*``), for the local spec's separate q/kv norms and
+  SequentialMLP experts (verl_npu.engine.layer_spec) besides TransformerEngine's names, and for
+  MindSpeed's absorbed MLA (``use_dsa_absorb``: ``linear_k_up_proj`` + ``linear_v_up_proj`` <->
+  ``kv_b_proj``, per-head interleaved, see verl_npu.engine.bridges.absorbed_mla);
 * the RoPE layouts megatron computes with. Its MLA and DSA indexer rotate interleaved pairs
   (2i, 2i+1), and its indexer puts the rotary dims after the others. GLM-5 checkpoints put the
   indexer's rotary dims first. ``rope_interleave`` / ``indexer_rope_interleave`` say which pairs the
@@ -34,6 +36,7 @@ from mbridge.core.safetensor_io import SafeTensorIO
 from mbridge.core.util import unwrap_model
 from mbridge.models.deepseek_v3 import DeepseekV3Bridge
 
+from verl_npu.engine.bridges.absorbed_mla import merge_kv_b_proj, split_kv_b_proj
 from verl_npu.engine.glm5_config import MODEL_TYPE, glm5_config_fields, rope_parameters
 
 logger = logging.getLogger(__name__)
@@ -44,6 +47,8 @@ _LOCAL_EXPERT = re.compile(r"\.mlp\.experts\.local_experts\.(\d+)\.(linear_fc[12
 
 # Parameters whose rows hold rotary dims, so their layout depends on the rope conventions.
 _MAIN_ROPE_ROWS = ("self_attention.linear_q_up_proj.weight", "self_attention.linear_kv_down_proj.weight")
+# MindSpeed's absorbed MLA (use_dsa_absorb): K and V up projections of their own, both HF kv_b_proj
+_ABSORBED_K, _ABSORBED_V = "self_attention.linear_k_up_proj.weight", "self_attention.linear_v_up_proj.weight"
 _INDEXER_ROWS = (
     "indexer.linear_wq_b.weight",
     "indexer.linear_wk.weight",
@@ -89,6 +94,8 @@ class GLM5Bridge(DeepseekV3Bridge):
         "self_attention.core_attention.indexer.linear_weights_proj.weight": [
             "model.layers.{layer_number}.self_attn.indexer.weights_proj.weight"
         ],
+        _ABSORBED_K: ["model.layers.{layer_number}.self_attn.kv_b_proj.weight"],
+        _ABSORBED_V: ["model.layers.{layer_number}.self_attn.kv_b_proj.weight"],
     }
     _LAYER_MAPPING: ClassVar[dict[str, list[str]]] = {**_ATTENTION_MAPPING, **DeepseekV3Bridge._MLP_MAPPING}
 
@@ -183,16 +190,49 @@ class GLM5Bridge(DeepseekV3Bridge):
             return torch.cat([torch.arange(before), before + _rope_order(rope, interleaved=False)])
         return None
 
+    def _absorbed_dims(self) -> tuple[int, int, int]:
+        cfg = self.hf_config
+        return cfg.num_attention_heads, cfg.qk_nope_head_dim, cfg.v_head_dim
+
     def _weight_to_mcore_format(self, mcore_weights_name: str, hf_weights: list[torch.Tensor]) -> torch.Tensor:
+        if mcore_weights_name.endswith((_ABSORBED_K, _ABSORBED_V)):
+            kv_b = super()._weight_to_mcore_format(mcore_weights_name, hf_weights)
+            k_up, v_up = split_kv_b_proj(kv_b, *self._absorbed_dims())
+            return k_up if mcore_weights_name.endswith(_ABSORBED_K) else v_up
         weight = super()._weight_to_mcore_format(mcore_weights_name, hf_weights)
         order = self._row_order(mcore_weights_name)
         return weight if order is None else _reorder_rows(weight, order)
 
     def _weight_to_hf_format(self, mcore_weights_name: str, mcore_weights: torch.Tensor):
+        if mcore_weights_name.endswith((_ABSORBED_K, _ABSORBED_V)):
+            return self._absorbed_to_hf(mcore_weights_name, mcore_weights)
         order = self._row_order(mcore_weights_name)
         if order is not None:
             mcore_weights = _reorder_rows(mcore_weights, torch.argsort(order))
         return super()._weight_to_hf_format(mcore_weights_name, mcore_weights)
+
+    # --- MindSpeed's absorbed MLA: two megatron tensors, one HF tensor --------------------------
+    def _absorbed_to_hf(self, mcore_weights_name: str, weight: torch.Tensor):
+        """Hold one half of a layer's kv_b_proj until the other arrives (export yields each tensor once)."""
+        pending = self.__dict__.setdefault("_absorbed_pending", {})
+        layer = mcore_weights_name[: -len(_ABSORBED_K if mcore_weights_name.endswith(_ABSORBED_K) else _ABSORBED_V)]
+        halves = pending.setdefault(layer, {})
+        halves["k" if mcore_weights_name.endswith(_ABSORBED_K) else "v"] = weight
+        if len(halves) < 2:
+            return [], []
+        del pending[layer]
+        (hf_name,) = self._weight_name_mapping_mcore_to_hf(mcore_weights_name)
+        return [hf_name], [merge_kv_b_proj(halves["k"], halves["v"], *self._absorbed_dims())]
+
+    def export_weights(self, models):
+        """mbridge's export; a layer whose absorbed K or V half never came is an error, not a silent gap
+        (under verl's ``load_format: dummy`` a tensor never sent stays random in vLLM)."""
+        self.__dict__["_absorbed_pending"] = {}
+        yield from super().export_weights(models)
+        pending = self.__dict__.pop("_absorbed_pending")
+        if pending:
+            missing = {layer: "K" if "k" not in halves else "V" for layer, halves in pending.items()}
+            raise RuntimeError(f"GLM-5 bridge: kv_b_proj cannot be exported, the {missing} halves never came")
 
     # --- local-spec experts under expert / tensor parallelism --------------------------------
     def load_weights(self, models: list[torch.nn.Module], weights_path: str, memory_efficient: bool = False) -> None:

@@ -1,0 +1,63 @@
+"""Files from PyPI for the network-tier tests: downloaded once per test session, checked against PyPI's sha256.
+
+Uses PyPI's JSON simple API (PEP 691) directly: ``pip download`` of an sdist builds its metadata,
+which for vllm-ascend needs torch and CANN.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+import tarfile
+import urllib.request
+from collections.abc import Callable
+from pathlib import Path
+
+from packaging.utils import canonicalize_name
+
+PYPI = "https://pypi.org/simple"
+# The PyPI release whose sdist holds the source of a pinned git commit (checked where it matters: the
+# vllm-ascend contracts are verified on that sdist). On a bump, record the new commit's release here.
+RELEASE_OF_COMMIT = {"5cb98caaadeff42b5b62b996e34bb2aaa29d20fd": "0.23.0"}
+
+
+def simple_files(project: str) -> list[dict]:
+    """The files of a PyPI project (PEP 691 JSON simple API)."""
+    request = urllib.request.Request(
+        f"{PYPI}/{canonicalize_name(project)}/", headers={"Accept": "application/vnd.pypi.simple.v1+json"}
+    )
+    with urllib.request.urlopen(request, timeout=60) as response:
+        return json.load(response)["files"]
+
+
+def download(project: str, choose: Callable[[str], bool], cache: Path) -> Path:
+    """The one file of ``project`` for which ``choose(filename)`` holds, in ``cache``; PyPI's sha256 checked."""
+    files = [f for f in simple_files(project) if choose(f["filename"])]
+    assert len(files) == 1, f"{project}: expected one matching file on PyPI, found {[f['filename'] for f in files]}"
+    cache.mkdir(parents=True, exist_ok=True)
+    path = cache / files[0]["filename"]
+    if not path.is_file():
+        with urllib.request.urlopen(files[0]["url"], timeout=600) as response:
+            data = response.read()
+        got = hashlib.sha256(data).hexdigest()
+        assert got == files[0]["hashes"]["sha256"], f"{path.name}: sha256 {got} differs from PyPI's"
+        path.write_bytes(data)
+    return path
+
+
+def sdist(project: str, version: str, cache: Path) -> Path:
+    return download(project, lambda name: name == f"{project.replace('-', '_')}-{version}.tar.gz", cache)
+
+
+def extract(archive: Path, inner: str, dest: Path) -> None:
+    """Copy ``<top>/<inner>`` (a file, or every file of a directory) out of an sdist into ``dest``."""
+    with tarfile.open(archive) as tar:
+        members = [
+            m for m in tar.getmembers() if m.isfile() and re.fullmatch(rf"[^/]+/{re.escape(inner)}(/.*)?", m.name)
+        ]
+        assert members, f"{archive.name} has no {inner}"
+        for member in members:
+            target = dest / member.name.split("/", 1)[1]
+            target.parent.mkdir(parents=True, exist_ok=True)
+            target.write_bytes(tar.extractfile(member).read())

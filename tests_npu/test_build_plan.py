@@ -236,3 +236,129 @@ def test_precision_aware_optimizer_rules():
         build_plan(engine(), raw, LLAMA, "ascend")
     aliases = optim(use_precision_aware_optimizer=True, main_grads_dtype="bfloat16", exp_avg_dtype="float32")
     assert build_plan(engine(), aliases, LLAMA, "ascend").ddp_overrides == {"grad_reduce_in_fp32": False}
+
+
+# --- GLM-5.2's IndexShare layers: what the pipeline top-k carry can serve ---------------------------------
+# GLM-5.2's rule (i < 3 or (i - 2) % 4 == 0) on 8 layers: full 0, 1, 2, 6; shared 3, 4, 5, 7
+GLM52_KINDS = ["full" if i < 3 or (i - 2) % 4 == 0 else "shared" for i in range(8)]
+GLM52 = GlmMoeDsaConfig(
+    num_hidden_layers=8, hidden_size=256, num_attention_heads=8, index_n_heads=32, indexer_types=GLM52_KINDS
+)
+
+
+def test_megatron_places_model_chunks_where_the_build_plan_says():
+    """model_chunks against megatron-core 0.18's own get_transformer_layer_offset, VPP and uneven ends included."""
+    import types
+
+    from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
+
+    from verl_npu.engine.build_plan import PipelineLayout, model_chunks
+
+    for layers, pp, vpp, first, last in [
+        (78, 8, None, 9, 9), (78, 8, 2, 10, 8), (8, 2, 2, None, None), (14, 3, 2, None, 2), (14, 3, 2, 2, None),
+        (16, 4, 4, None, None), (8, 1, None, None, None),
+    ]:  # fmt: skip
+        config = types.SimpleNamespace(
+            num_layers=layers, pipeline_model_parallel_size=pp, virtual_pipeline_model_parallel_size=vpp,
+            num_layers_in_first_pipeline_stage=first, num_layers_in_last_pipeline_stage=last,
+            pipeline_model_parallel_layout=None, account_for_embedding_in_pipeline_split=False,
+            account_for_loss_in_pipeline_split=False,
+        )  # fmt: skip
+        chunks = model_chunks(layers, PipelineLayout(pp, vpp, first, last))
+        assert sum(c.num_layers for c in chunks) == layers
+        for chunk in chunks:
+            if pp > 1:
+                assert get_transformer_layer_offset(config, chunk.vp_stage, chunk.pp_rank) == chunk.first_layer, chunk
+
+
+def test_glm5_2_pipeline_stages_that_start_shared_receive_the_carry():
+    otc = {"num_layers_in_first_pipeline_stage": 3, "num_layers_in_last_pipeline_stage": 2}
+    plan = build_plan(engine(pipeline_model_parallel_size=3, override_transformer_config=otc), optim(), GLM52, "cuda")
+    assert "dsa_index_share" in plan.features
+    (note,) = [n for n in plan.notes if n.startswith("IndexShare")]
+    # stages start at layers 0, 3 (shared), 6 (full)
+    assert "4 full / 4 shared DSA indexers" in note and "stages 1 start on a shared layer" in note
+    assert "dsa_index_share" not in build_plan(engine(), optim(), GLM5, "cuda").features  # GLM-5: every layer full
+
+
+def test_an_interleaved_pipeline_whose_chunks_start_shared_is_refused_naming_the_same_pp_without_vpp():
+    with pytest.raises(BuildPlanError) as error:
+        build_plan(
+            engine(pipeline_model_parallel_size=2, virtual_pipeline_model_parallel_size=2), optim(), GLM52, "cuda"
+        )
+    (problem,) = error.value.problems
+    # chunks of 2 layers start at 0, 2, 4, 6 (stage 0, stage 1, stage 0, stage 1): layer 4 is shared
+    assert problem.startswith("virtual_pipeline_model_parallel_size=2 (PP 2 x VPP 2) on a model with 4 shared DSA")
+    assert "stage 0 chunk 1 (layers 4-5) starts on shared layer 4" in problem
+    assert "stage 1 chunk" not in problem  # layers 2 and 6 are full: those chunks need no carry
+    assert "Instead: the same PP 2 without a virtual pipeline" in problem
+    assert "its stages start at layers 0, 4, and stage 1 receives the top-k from the stage before" in problem
+    # Megatron-LM's way of asking for it: 4 layers a stage in chunks of 2 is VPP 2
+    otc = {"num_layers_per_virtual_pipeline_stage": 2}
+    with pytest.raises(BuildPlanError, match=r"num_layers_per_virtual_pipeline_stage=2 \(PP 2 x VPP 2\)"):
+        build_plan(engine(pipeline_model_parallel_size=2, override_transformer_config=otc), optim(), GLM52, "cuda")
+    # every chunk starting on a full layer needs no carry: allowed
+    alternating = GlmMoeDsaConfig(
+        num_hidden_layers=8, hidden_size=256, num_attention_heads=8, index_n_heads=32,
+        indexer_types=["full", "shared"] * 4,
+    )  # fmt: skip
+    plan = build_plan(
+        engine(pipeline_model_parallel_size=2, virtual_pipeline_model_parallel_size=2), optim(), alternating, "cuda"
+    )
+    assert "dsa_index_share" in plan.features
+    assert build_plan(engine(pipeline_model_parallel_size=2), optim(), GLM52, "cuda")  # the same PP without VPP
+
+
+def test_a_model_whose_first_layer_is_shared_is_refused():
+    first_shared = {**GLM52.to_dict(), "indexer_types": ["shared", *GLM52_KINDS[1:]]}  # a raw dict, as preflight passes
+    with pytest.raises(BuildPlanError) as error:
+        build_plan(engine(), optim(), first_shared, "cuda")
+    (problem,) = error.value.problems
+    assert problem.startswith("indexer_types (model config): indexer_types[0] is 'shared', but the first layer has no")
+    assert "Instead: a model config whose indexer_types lists 'full' or 'shared' for every layer and marks layer 0" in (
+        problem
+    )
+
+
+@pytest.mark.parametrize("modules", [None, ["core_attn"], ["core_attn", "mlp"]])
+def test_dsa_refuses_selective_recompute_of_core_attention(modules):
+    otc = {"recompute_granularity": "selective", **({"recompute_modules": modules} if modules is not None else {})}
+    for model in (GLM5, GLM52):  # any DSA model, IndexShare or not
+        with pytest.raises(BuildPlanError) as error:
+            build_plan(engine(override_transformer_config=otc), optim(), model, "ascend")
+        (problem,) = error.value.problems
+        shown = (
+            "recompute_modules unset (megatron's default ['core_attn'])"
+            if modules is None
+            else f"recompute_modules={modules}"
+        )
+        assert problem.startswith(f"override_transformer_config.recompute_granularity=selective with {shown}")
+        assert "without passing DSA its x and qr inputs" in problem
+        assert "Instead: set override_transformer_config.recompute_granularity=full" in problem
+        assert 'recompute_modules that leave out core_attn, e.g. ["mla_up_proj", "mlp"]' in problem
+
+
+def test_dsa_takes_full_recompute_and_selective_recompute_without_core_attention():
+    for otc in (
+        {"recompute_granularity": "full", "recompute_method": "uniform", "recompute_num_layers": 1},
+        {"recompute_granularity": "selective", "recompute_modules": ["mla_up_proj", "mlp"]},
+    ):
+        assert "dsa" in build_plan(engine(override_transformer_config=otc), optim(), GLM52, "ascend").features
+    selective = {"recompute_granularity": "selective", "recompute_modules": ["core_attn"]}
+    assert build_plan(engine(override_transformer_config=selective), optim(), LLAMA, "cuda")  # no DSA: fine
+
+
+def test_every_indexshare_and_recompute_rule_is_reported_in_one_run():
+    otc = {"recompute_granularity": "selective"}
+    with pytest.raises(BuildPlanError) as error:
+        build_plan(
+            engine(
+                pipeline_model_parallel_size=2, virtual_pipeline_model_parallel_size=2, use_remove_padding=True,
+                override_transformer_config=otc,
+            ),
+            optim(), GLM52, "cuda",
+        )  # fmt: skip
+    problems = error.value.problems
+    assert len(problems) == 3, problems
+    for rule in ("packed (THD)", "selective recompute of core_attn", "starts on shared layer 4"):
+        assert any(rule in p for p in problems), rule

@@ -1,9 +1,12 @@
-"""Contracts with the Ascend upstreams (verl_npu/contracts): the checker, our side of each fact, and,
-in the network tier, the real torch-npu wheel and vllm-ascend sdist from PyPI."""
+"""Contracts with the upstreams (verl_npu/contracts): the checker, our side of each fact (verl's GLM-5.2
+rollout patch included), and, in the network tier, the real torch-npu wheel and the vllm-ascend and vLLM
+sdists from PyPI."""
 
 from __future__ import annotations
 
 import ast
+import contextlib
+import dataclasses
 import inspect
 import json
 import re
@@ -16,7 +19,7 @@ import pytest
 
 from verl_npu import contracts
 from verl_npu.contracts import torch_npu as torch_npu_facts
-from verl_npu.contracts.spec import Contract, ContractSpecError, Expect, fingerprint
+from verl_npu.contracts.spec import Contract, ContractSpecError, Expect, fingerprint, squash
 from verl_npu.contracts.verify import DRIFTED, MISSING, NOT_FOUND, OK, verify
 
 REPO = Path(__file__).resolve().parent.parent
@@ -107,6 +110,43 @@ def test_missing_file_symbol_or_component_never_pass(tmp_path):
     assert file.status == MISSING and "pkg/gone.py is not in" in file.detail
     (component,) = verify([_contract(ORIGINAL)], {"mindspeed": None})
     assert component.status == NOT_FOUND and "not installed in this Python" in component.detail
+
+
+def test_expectations_ignoring_whitespace_and_matching_the_end_or_the_whole_source(tmp_path):
+    """The forms verl's GLM-5.2 patch checks sources with (whitespace removed; ``in``, ``endswith``, ``==``)."""
+    original = "def wake_up(self, tags=None):\n    if tags:\n        wake(tags)\n    resume()\n"
+    expects = (
+        Expect("if tags: wake(tags)", "wakes", ignore_whitespace=True),
+        Expect("resume()", "resumes last", match="ends-with", ignore_whitespace=True),
+        Expect(
+            "def wake_up(self,tags=None):if tags:wake(tags) resume()", "whole", match="equals", ignore_whitespace=True
+        ),
+        Expect("if not asleep: resume()", "the fix is not upstream", present=False, ignore_whitespace=True),
+    )
+    contract = _contract(original, symbol="wake_up", sha256=fingerprint(original.strip()), expects=expects)
+    (held,) = verify([contract], {"mindspeed": _tree(tmp_path, original)})
+    assert held.status == OK, held.detail
+    assert not Expect("if tags: wake(tags)", "exact text").holds(original)  # whitespace counts by default
+    fixed = original.replace("    resume()", "    if not asleep:\n        resume()\n    log()")
+    (result,) = verify([contract], {"mindspeed": _tree(tmp_path, fixed)})
+    assert result.status == DRIFTED
+    assert "resumes last: no longer ends with 'resume()' (whitespace ignored)" in result.detail
+    assert "whole: no longer equals" in result.detail
+    assert "the fix is not upstream: now contains 'if not asleep: resume()'" in result.detail
+    with pytest.raises(ContractSpecError, match="match 'starts-with'"):
+        Expect("x", "y", match="starts-with")
+
+
+def test_grep_reads_one_file_as_well_as_a_directory(tmp_path):
+    root = _tree(tmp_path, "class A:\n    def run(self):\n        pass\n\n\nclass B(A):\n    pass\n")
+    (tmp_path / "pkg" / "other.py").write_text("def run(self):\n    pass\n")
+    hits = "pkg/mod.py: class A:\npkg/mod.py: def run(self):\npkg/mod.py: class B(A):"
+    one_file = _contract(hits, locator="grep", path="pkg/mod.py", symbol=r"^class |def run\(",
+                         sha256=fingerprint(hits), expects=(Expect(hits, "run is A's only"),))  # fmt: skip
+    (result,) = verify([one_file], {"mindspeed": root})
+    assert result.status == OK, result.detail
+    (whole,) = verify([dataclasses.replace(one_file, path="pkg")], {"mindspeed": root})
+    assert whole.status == DRIFTED and whole.found_sha256 != one_file.sha256  # other.py's run counts there
 
 
 def test_cli_verify_exit_codes_and_bad_sources(tmp_path, capsys):
@@ -250,3 +290,301 @@ def test_every_ascend_image_build_checks_the_contracts_after_installing_and_befo
     assert (
         '"$PY" -m verl_npu.cli contracts verify ||' in install_sh and "contracts) run_contracts_step ;;" in install_sh
     )
+
+
+# --- verl 0.9.1's GLM-5.2 rollout patch (VERL_VLLM_ASCEND_GLM52_PATCH) -------------------------------
+
+
+def _verl_glm52_patch_source() -> str:
+    import importlib.util
+
+    # read, not imported: verl.utils.vllm needs vLLM's dependencies, which the dev box does not have
+    spec = importlib.util.find_spec("verl")
+    assert spec is not None and spec.submodule_search_locations
+    return (Path(next(iter(spec.submodule_search_locations))) / "utils" / "vllm" / "npu_vllm_patch.py").read_text()
+
+
+class _VerlPatchReader:
+    """What verl's GLM-5.2 patch does, read from its source (``apply_npu_vllm_patches``' GLM-5.2 branch and every
+    module-level function it reaches).
+
+    Names are resolved through the patch functions' imports, assignments and call arguments to the dotted
+    names of the vllm / vllm_ascend objects they stand for. Collected:
+
+    * ``replaced``: the objects it assigns to (patched attributes); ``imported``: modules it imports;
+    * ``checks``: (object, kind, text) for each string it compares an object's whitespace-free source with
+      (kind: "contains" for ``in`` / ``not in``, "ends-with", "equals");
+    * ``signatures``: (object, parameter names) for each parameter tuple it compares a signature with.
+    """
+
+    UPSTREAMS = ("vllm.", "vllm_ascend.")
+
+    def __init__(self, source: str):
+        self.tree = ast.parse(source)
+        self.functions = {n.name: n for n in self.tree.body if isinstance(n, ast.FunctionDef)}
+        self.replaced: set[str] = set()
+        self.imported: set[str] = set()
+        self.checks: set[tuple[str, str, str]] = set()
+        self.signatures: set[tuple[str, tuple[str, ...]]] = set()
+        root = self._glm52_branch()
+        self._visit_statements("apply_npu_vllm_patches", root, {})
+
+    def _glm52_branch(self) -> list[ast.stmt]:
+        main = self.functions["apply_npu_vllm_patches"]
+        for node in ast.walk(main):
+            if (
+                isinstance(node, ast.If)
+                and isinstance(node.test, ast.Call)
+                and getattr(node.test.func, "id", None) == "_glm52_patch_enabled"
+            ):
+                return node.body
+        raise AssertionError("verl's apply_npu_vllm_patches has no `if _glm52_patch_enabled():` branch any more")
+
+    @staticmethod
+    def _dotted(node: ast.AST, scope: dict[str, object]) -> str | None:
+        if isinstance(node, ast.Name):
+            value = scope.get(node.id)
+            return value if isinstance(value, str) else None
+        if isinstance(node, ast.Attribute):
+            base = _VerlPatchReader._dotted(node.value, scope)
+            return f"{base}.{node.attr}" if base else None
+        return None
+
+    def _upstream(self, dotted: str | None) -> bool:
+        return dotted is not None and dotted.startswith(self.UPSTREAMS)
+
+    def _visit_function(self, name: str, bindings: dict[str, object], seen: set[str]) -> None:
+        key = f"{name}:{sorted((k, str(v)) for k, v in bindings.items())}"
+        if key in seen:
+            return
+        seen.add(key)
+        self._visit_statements(name, self.functions[name].body, bindings, seen)
+
+    def _visit_statements(self, name, body, bindings, seen=None) -> None:
+        seen = set() if seen is None else seen
+        scope: dict[str, object] = dict(bindings)
+        module = ast.Module(body=list(body), type_ignores=[])
+        nodes = sorted(ast.walk(module), key=lambda n: (getattr(n, "lineno", 0), getattr(n, "col_offset", 0)))
+        sources: dict[str, str] = {}  # local name -> the object whose normalised source it holds
+        signatures: dict[str, str] = {}  # local name -> the object whose parameter names it holds
+        for node in nodes:
+            if isinstance(node, ast.ImportFrom) and node.module:
+                for alias in node.names:
+                    scope[alias.asname or alias.name] = f"{node.module}.{alias.name}"
+            elif isinstance(node, ast.Import):
+                for alias in node.names:
+                    if alias.asname:
+                        scope[alias.asname] = alias.name
+                    elif alias.name.startswith(self.UPSTREAMS):
+                        self.imported.add(alias.name)
+            elif isinstance(node, ast.Assign) and len(node.targets) == 1:
+                target, value = node.targets[0], node.value
+                if isinstance(target, ast.Attribute):
+                    dotted = self._dotted(target, scope)
+                    if self._upstream(dotted):
+                        self.replaced.add(dotted)
+                elif isinstance(target, ast.Name):
+                    if isinstance(value, ast.Constant | ast.Tuple):
+                        with contextlib.suppress(ValueError):  # a tuple of non-literals names nothing we follow
+                            scope[target.id] = ast.literal_eval(value)
+                    elif (read := self._source_read(value, scope)) is not None:
+                        sources[target.id] = read
+                    elif (read := self._signature_read(value, scope, signatures)) is not None:
+                        signatures[target.id] = read
+                    elif (dotted := self._dotted(value, scope)) is not None:
+                        scope[target.id] = dotted
+            elif isinstance(node, ast.Compare) and len(node.ops) == 1:
+                self._compare(node, scope, sources, signatures)
+            elif isinstance(node, ast.Call):
+                func = node.func
+                holder = func.value.id if isinstance(func, ast.Attribute) and isinstance(func.value, ast.Name) else None
+                if _attribute_name(func) == "endswith" and holder in sources:
+                    self.checks.add((sources[holder], "ends-with", self._text(node.args[0], scope)))
+                callee = getattr(func, "id", None)
+                if callee in self.functions and callee not in ("_normalized_source", name):
+                    params = [a.arg for a in self.functions[callee].args.args]
+                    passed = {p: self._dotted(a, scope) for p, a in zip(params, node.args, strict=False)}
+                    self._visit_function(callee, {k: v for k, v in passed.items() if v}, seen)
+
+    def _source_read(self, node: ast.AST, scope) -> str | None:
+        if isinstance(node, ast.Call) and getattr(node.func, "id", None) == "_normalized_source":
+            return self._dotted(node.args[0], scope)
+        return None
+
+    def _signature_read(self, node: ast.AST, scope, signatures) -> str | None:
+        """``tuple(inspect.signature(X).parameters)`` (possibly sliced) -> X."""
+        for inner in ast.walk(node):
+            if (
+                isinstance(inner, ast.Call)
+                and isinstance(inner.func, ast.Attribute)
+                and inner.func.attr == "signature"
+                and getattr(inner.func.value, "id", None) == "inspect"
+            ):
+                return self._dotted(inner.args[0], scope)
+            if isinstance(inner, ast.Name) and inner.id in signatures:
+                return signatures[inner.id]
+        return None
+
+    @staticmethod
+    def _text(node: ast.AST, scope) -> object:
+        if isinstance(node, ast.Name):
+            return scope[node.id]
+        return ast.literal_eval(node)
+
+    def _compare(self, node: ast.Compare, scope, sources, signatures) -> None:
+        left, op, right = node.left, node.ops[0], node.comparators[0]
+        if isinstance(op, ast.In | ast.NotIn):
+            holder = right.id if isinstance(right, ast.Name) else None
+            if holder in sources:
+                self.checks.add((sources[holder], "contains", self._text(left, scope)))
+            return
+        if not isinstance(op, ast.Eq | ast.NotEq):
+            return
+        for one, other in ((left, right), (right, left)):
+            read = self._source_read(one, scope) or (sources.get(one.id) if isinstance(one, ast.Name) else None)
+            if read is not None:
+                self.checks.add((read, "equals", self._text(other, scope)))
+                return
+            target = self._signature_read(one, scope, signatures)
+            if target is not None:
+                self.signatures.add((target, tuple(self._text(other, scope))))
+                return
+
+
+def _attribute_name(func: ast.AST) -> str | None:
+    return func.attr if isinstance(func, ast.Attribute) else None
+
+
+def _def_parameters(text: str) -> tuple[str, ...] | None:
+    """The parameter names of a ``def`` header recorded as an expectation (possibly cut after a parameter)."""
+    header = text.strip()
+    if not header.startswith("def "):
+        return None
+    if header.endswith(","):
+        header = header[:-1] + "):"
+    try:
+        function = ast.parse(header + "\n    pass").body[0]
+    except SyntaxError:
+        return None
+    return tuple(a.arg for a in function.args.posonlyargs + function.args.args)
+
+
+@pytest.fixture(scope="module")
+def verl_glm52_patch() -> _VerlPatchReader:
+    return _VerlPatchReader(_verl_glm52_patch_source())
+
+
+def test_the_reader_finds_what_verls_glm52_patch_does(verl_glm52_patch):
+    """Guards the reader itself: the patch targets and checks verl 0.9.1 has, read from its source."""
+    assert "vllm_ascend.ops.layernorm.AscendRMSNorm.forward_oot" in verl_glm52_patch.replaced
+    assert "vllm.v1.engine.core.EngineCoreProc.run_engine_core" in verl_glm52_patch.replaced
+    assert "vllm_ascend.device_allocator.camem.CaMemAllocator.sleep" in verl_glm52_patch.replaced
+    assert verl_glm52_patch.imported == {"vllm_ascend.patch.worker.patch_routed_experts_capture"}
+    assert (
+        "vllm_ascend.attention.sfa_v1.AscendSFAImpl.process_weights_after_loading",
+        "contains",
+        "dispose_layer(self.kv_b_proj)",
+    ) in verl_glm52_patch.checks
+    assert ("vllm.v1.engine.core.EngineCore.wake_up", "ends-with", "self.resume_scheduler()") in verl_glm52_patch.checks
+    assert ("vllm.v1.engine.core.EngineCore.wake_up", ("self", "tags")) in verl_glm52_patch.signatures
+    prefix = ("sfa_impl", "q_li", "q_li_scale", "q_li_shape_ori", "weights")
+    target = "vllm_ascend.attention.sfa_v1.DeviceOperator.indexer_select_post_process"
+    assert (target, prefix) in verl_glm52_patch.signatures
+    assert len(verl_glm52_patch.checks) >= 12
+
+
+def test_every_target_and_check_of_verls_glm52_patch_is_a_recorded_contract(verl_glm52_patch):
+    """verl's GLM-5.2 patch raises only when a rollout starts; every object it patches and every source text it
+    requires is recorded as a contract (verified at image build and by doctor), so that a verl upgrade that
+    changes its checks fails here instead."""
+    touched = (
+        verl_glm52_patch.replaced
+        | verl_glm52_patch.imported
+        | {target for target, _, _ in verl_glm52_patch.checks}
+        | {target for target, _ in verl_glm52_patch.signatures}
+    )
+    mapping = contracts.VERL_GLM52_PATCH_TARGETS
+    assert touched == set(mapping), (
+        f"not recorded: {sorted(touched - set(mapping))}; no longer touched by verl: {sorted(set(mapping) - touched)}"
+    )
+    for target, ids in mapping.items():
+        assert {contracts.by_id(i).component for i in ids} <= {"vllm", "vllm-ascend"}, target
+
+    def expectations(target):
+        return [e for i in mapping[target] for e in contracts.by_id(i).expects]
+
+    for target, kind, text in sorted(verl_glm52_patch.checks):
+        covered = [
+            e for e in expectations(target) if e.match == kind and squash(e.text) == text and e.ignore_whitespace
+        ]
+        assert covered, f"verl checks that {target}'s source {kind} {text!r}: record it (whitespace ignored)"
+    for target, names in sorted(verl_glm52_patch.signatures):
+        recorded = [_def_parameters(e.text) for e in expectations(target)]
+        assert any(p is not None and p[: len(names)] == names for p in recorded), (
+            f"verl checks {target}'s parameters start with {names}: record its def line"
+        )
+
+
+def test_verls_glm52_switch_and_its_values_are_ours():
+    from verl_npu.contracts.vllm_ascend import GLM52_PATCH_ON_VALUES, GLM52_PATCH_VARIABLE
+
+    values = {}
+    for node in ast.parse(_verl_glm52_patch_source()).body:
+        if isinstance(node, ast.Assign) and isinstance(node.targets[0], ast.Name):
+            with contextlib.suppress(ValueError):
+                values[node.targets[0].id] = ast.literal_eval(node.value)
+    assert values["_GLM52_PATCH_ENV"] == GLM52_PATCH_VARIABLE
+    assert values["_GLM52_PATCH_TRUTHY_VALUES"] == set(GLM52_PATCH_ON_VALUES)
+
+
+def test_the_glm5_2_env_file_turns_verls_glm52_patch_on_and_ray_workers_get_it(monkeypatch):
+    from verl_npu.contracts.vllm_ascend import GLM52_PATCH_ON_VALUES, GLM52_PATCH_VARIABLE
+    from verl_npu.runtime_patches.ray_runtime_env import FORWARDED_VARIABLES, _build, env_file_variables
+
+    shipped = env_file_variables(str(REPO / "examples" / "glm5_2" / "glm5_2.env"))
+    assert shipped[GLM52_PATCH_VARIABLE].strip().lower() in GLM52_PATCH_ON_VALUES
+    assert GLM52_PATCH_VARIABLE in FORWARDED_VARIABLES
+    monkeypatch.delenv("VERL_NPU_ENV_FILE", raising=False)
+    monkeypatch.setenv(GLM52_PATCH_VARIABLE, "1")
+    runtime_env = _build(lambda: {"env_vars": {}})()  # the wrapper the ray-runtime-env patch installs
+    assert runtime_env["env_vars"][GLM52_PATCH_VARIABLE] == "1"
+
+
+# --- vLLM -----------------------------------------------------------------------------------------
+
+
+def test_vllm_ascends_no_indexer_rule_follows_top_k_reuse_and_indexer_types():
+    """layers_without_indexer: vllm-ascend's patch_deepseek_v2 (contract
+    vllm-ascend-glm5-shared-layers-have-no-indexer)."""
+    import json
+    import types
+
+    from verl_npu.contracts.vllm_ascend import layers_without_indexer, reuses_topk
+
+    glm5_2 = types.SimpleNamespace(**json.loads((REPO / "examples" / "glm5_2" / "config.json").read_text()))
+    shared = tuple(i for i, kind in enumerate(glm5_2.indexer_types) if kind == "shared")
+    assert len(shared) == 57 and layers_without_indexer(glm5_2) == shared  # the published config agrees with itself
+    glm5 = types.SimpleNamespace(num_hidden_layers=4)  # no indexer_types: an indexer everywhere
+    assert layers_without_indexer(glm5) == () and not any(reuses_topk(glm5, i) for i in range(4))
+    # indexer_types says shared, but nothing tells vllm-ascend to reuse top-k there (freq default 1): indexer kept
+    listed_only = types.SimpleNamespace(num_hidden_layers=3, indexer_types=["full", "shared", "shared"])
+    assert layers_without_indexer(listed_only) == ()
+    pattern = types.SimpleNamespace(
+        num_hidden_layers=3, indexer_types=["full", "shared", "full"], index_topk_pattern="FSS"
+    )
+    assert layers_without_indexer(pattern) == (1,)
+
+
+@pytest.mark.network
+def test_the_vllm_sdist_on_pypi_holds_every_recorded_fact(tmp_path):
+    """The vLLM the stack pins (git.vllm v0.23.0), from its PyPI sdist."""
+    from support.pypi import extract, sdist
+
+    from verl_npu.stack import load_stack
+
+    archive = sdist("vllm", load_stack().git["vllm"].version, tmp_path / "dl")
+    root = tmp_path / "vllm"
+    for path in sorted({c.path for c in contracts.ALL if c.component == "vllm"}):
+        extract(archive, path, root)
+    results = verify(contracts.ALL, {"vllm": root}, components=["vllm"])
+    assert results and all(r.ok for r in results), [(r.contract.id, r.detail) for r in results if not r.ok]

@@ -37,7 +37,7 @@ UNLIMITED = (resource.RLIM_INFINITY, resource.RLIM_INFINITY)
 
 # Modules a complete install provides, per target.
 DEV_MODULES = ["megatron/core", f"{LAYER.replace('.', '/')}.py"]
-NPU_MODULES = [*DEV_MODULES, "megatron_adaptor", "transformer_engine", "mindspeed", "vllm_ascend", "torch_npu"]
+NPU_MODULES = [*DEV_MODULES, "megatron_adaptor", "transformer_engine", "mindspeed", "vllm_ascend", "torch_npu", "vllm"]
 
 # --- canned command output -------------------------------------------------------------------------
 
@@ -832,7 +832,8 @@ def _a3_node(tmp_path: Path, shm_size, **override: str | None) -> Probe:
     return make_probe(
         [tree],
         npu=NPU_SMI_A3,
-        env={"ASCEND_TOOLKIT_HOME": str(home), "VERL_USE_EXTERNAL_MODULES": LAYER},
+        # a GLM-5.2 node: verl's vllm-ascend fixes on, as examples/glm5_2/glm5_2.env sets them
+        env={"ASCEND_TOOLKIT_HOME": str(home), "VERL_USE_EXTERNAL_MODULES": LAYER, "VERL_VLLM_ASCEND_GLM52_PATCH": "1"},
         shm_path=shm,
         mem_total_bytes=256 * GIB,
         rlimits={"nofile": (1048576, 1048576), "memlock": UNLIMITED},
@@ -847,7 +848,13 @@ def synthetic_contracts(tree: Path):
     from verl_npu.contracts.spec import Contract, Expect, fingerprint
 
     registry = []
-    for component, package in (("mindspeed", "mindspeed"), ("vllm-ascend", "vllm_ascend"), ("torch-npu", "torch_npu")):
+    components = (
+        ("mindspeed", "mindspeed"),
+        ("vllm-ascend", "vllm_ascend"),
+        ("torch-npu", "torch_npu"),
+        ("vllm", "vllm"),
+    )
+    for component, package in components:
         source = f"def fact():\n    return {component!r}"
         (tree / package / "facts.py").write_text(source + "\n")
         registry.append(
@@ -876,14 +883,14 @@ def test_contracts_hold_fail_when_drifted_and_are_not_needed_on_a_dev_box(tmp_pa
     registry = synthetic_contracts(tree)
     probe = make_probe([tree], npu=NPU_SMI_A3)
     (finding,) = doctor.check_contracts(probe, "a3", registry)
-    assert (finding.check, finding.status) == ("contracts", OK) and "3 recorded facts hold" in finding.detail
+    assert (finding.check, finding.status) == ("contracts", OK) and "4 recorded facts hold" in finding.detail
     (tree / "vllm_ascend" / "facts.py").write_text("def fact():\n    return 'something else'\n")
     (drifted,) = doctor.check_contracts(probe, "a3", registry)
     assert (drifted.check, drifted.status) == ("contracts.vllm-ascend-fact", FAIL)
     assert "the name: no longer contains \"'vllm-ascend'\"" in drifted.detail and "rebuild the image" in drifted.fix
     bare = make_probe([make_tree(tmp_path / "bare", {}, DEV_MODULES)])
     (absent,) = doctor.check_contracts(bare, "a3", registry)
-    assert absent.status == FAIL and "mindspeed, vllm-ascend, torch-npu not installed" in absent.detail
+    assert absent.status == FAIL and "mindspeed, vllm-ascend, torch-npu, vllm not installed" in absent.detail
     (dev,) = doctor.check_contracts(bare, "dev", registry)
     assert dev.status == OK and "(Ascend only)" in dev.detail
 
@@ -895,6 +902,35 @@ def test_expandable_segments_are_flagged_for_vllm_sleep_mode(tmp_path: Path, tar
     assert finding.status == status and "CaMemAllocator" in finding.detail and "enable_sleep_mode=False" in finding.fix
     plain = make_probe([make_tree(tmp_path / "sp2", {})], env={"PYTORCH_NPU_ALLOC_CONF": "page_size:1g"})
     assert doctor.check_allocator_env(plain, target)[0].status == OK
+
+
+@pytest.mark.parametrize("value", [None, "0", "false", "on", ""])
+def test_an_ascend_node_without_verls_glm52_rollout_fixes_is_warned(tmp_path: Path, value) -> None:
+    env = {} if value is None else {"VERL_VLLM_ASCEND_GLM52_PATCH": value}
+    probe = make_probe([make_tree(tmp_path / "sp", {})], env=env)
+    (finding,) = doctor.check_glm52_rollout_patch(probe, "a3")
+    assert (finding.check, finding.status) == ("env.glm52-rollout-patch", WARN)
+    assert "GLM-5.2 RL with vLLM rollouts on Ascend" in finding.detail and "1/true/yes" in finding.detail
+    assert "examples/glm5_2/glm5_2.env sets it" in finding.fix and "VERL_VLLM_ASCEND_GLM52_PATCH=1" in finding.fix
+    (dev,) = doctor.check_glm52_rollout_patch(probe, "dev")  # no vllm-ascend on a dev box
+    assert dev.status == OK
+
+
+@pytest.mark.parametrize("value", ["1", "true", "YES", " yes "])
+def test_an_ascend_node_with_verls_glm52_rollout_fixes_is_ok(tmp_path: Path, value) -> None:
+    """The values verl's patch accepts (stripped, lowercased: verl/utils/vllm/npu_vllm_patch.py)."""
+    probe = make_probe([make_tree(tmp_path / "sp", {})], env={"VERL_VLLM_ASCEND_GLM52_PATCH": value})
+    for target in ("a2", "a3"):
+        (finding,) = doctor.check_glm52_rollout_patch(probe, target)
+        assert finding.status == OK and "fixes are on" in finding.detail
+
+
+def test_diagnose_warns_an_a3_node_without_verls_glm52_rollout_fixes(tmp_path: Path, shm_size) -> None:
+    probe = _a3_node(tmp_path, shm_size)
+    probe.env = {k: v for k, v in probe.env.items() if k != "VERL_VLLM_ASCEND_GLM52_PATCH"}
+    report = diagnose_node(probe)
+    assert not report.failed
+    assert only(report.findings, "env.glm52-rollout-patch").status == WARN
 
 
 def test_diagnose_consistent_a3_node_passes(tmp_path: Path, shm_size) -> None:

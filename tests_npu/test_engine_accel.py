@@ -32,7 +32,11 @@ def device():
     return torch.device("cuda", 0)
 
 
-def tiny_glm5(seed: int):
+# GLM-5 (every layer computes its DSA top-k) and GLM-5.2 (IndexShare: layers 3-5 reuse layer 2's top-k)
+LAYOUTS = {"glm5": ["full"] * 3, "glm5_2": ["full" if i < 3 or (i - 2) % 4 == 0 else "shared" for i in range(7)]}
+
+
+def tiny_glm5(seed: int, layout: str = "glm5"):
     from megatron.core import tensor_parallel
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
@@ -43,12 +47,13 @@ def tiny_glm5(seed: int):
 
     torch.manual_seed(seed)
     tensor_parallel.model_parallel_cuda_manual_seed(seed)
+    kinds = LAYOUTS[layout]
     hf = GlmMoeDsaConfig(
-        vocab_size=256, hidden_size=256, num_hidden_layers=3, num_attention_heads=4, intermediate_size=512,
+        vocab_size=256, hidden_size=256, num_hidden_layers=len(kinds), num_attention_heads=4, intermediate_size=512,
         moe_intermediate_size=128, n_routed_experts=4, n_shared_experts=1, num_experts_per_tok=2,
-        mlp_layer_types=["dense", "sparse", "sparse"], q_lora_rank=128, kv_lora_rank=64, qk_nope_head_dim=32,
-        qk_rope_head_dim=16,
-        v_head_dim=32, index_n_heads=4, index_head_dim=32, index_topk=16, max_position_embeddings=128,
+        mlp_layer_types=["dense", *["sparse"] * (len(kinds) - 1)], q_lora_rank=128, kv_lora_rank=64,
+        qk_nope_head_dim=32, qk_rope_head_dim=16, v_head_dim=32, index_n_heads=4, index_head_dim=32, index_topk=16,
+        max_position_embeddings=128, indexer_types=kinds,
     )  # fmt: skip
     model = build_glm5_model(hf, fused_rmsnorm=True, params_dtype=torch.bfloat16, bf16=True)
     model = Float16Module(model.config, model.cuda())
@@ -76,14 +81,17 @@ def train_step(ddp, optimizer, step: int) -> float:
     return run_step(ddp, optimizer, *batch(step))
 
 
-def test_five_steps_with_full_offload_cycles_equal_the_no_offload_run(device):
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+def test_five_steps_with_full_offload_cycles_equal_the_no_offload_run(device, layout):
     from verl_npu.engine.offload import OffloadManager
     from verl_npu.ops.rmsnorm import RMSNorm
 
-    ddp, optimizer = tiny_glm5(3)
+    ddp, optimizer = tiny_glm5(3, layout)
     assert any(isinstance(m, RMSNorm) for m in ddp.modules()), "fused RMSNorm was not wired in"
+    indexed = {int(n.split("layers.")[1].split(".")[0]) for n, _ in ddp.named_parameters() if ".indexer." in n}
+    assert indexed == {i for i, kind in enumerate(LAYOUTS[layout]) if kind == "full"}  # shared: no indexer bytes
     reference = [train_step(ddp, optimizer, s) for s in range(5)]
-    ddp2, optimizer2 = tiny_glm5(3)
+    ddp2, optimizer2 = tiny_glm5(3, layout)
     manager = OffloadManager([ddp2], optimizer2, device=device)
     losses = []
     for s in range(5):
@@ -96,10 +104,11 @@ def test_five_steps_with_full_offload_cycles_equal_the_no_offload_run(device):
     manager.close()
 
 
-def test_checkpoint_while_offloaded_then_restore_and_resume_gives_identical_losses(device):
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+def test_checkpoint_while_offloaded_then_restore_and_resume_gives_identical_losses(device, layout):
     from verl_npu.engine.offload import OffloadManager, _optimizers
 
-    ddp, optimizer = tiny_glm5(5)
+    ddp, optimizer = tiny_glm5(5, layout)
     for s in range(2):
         train_step(ddp, optimizer, s)
     manager = OffloadManager([ddp], optimizer, device=device)

@@ -254,9 +254,15 @@ def test_config_mapping_refuses_what_megatron_would_compute_differently():
 
     from verl_npu.engine.glm5_config import glm5_config_fields
 
-    shared = GlmMoeDsaConfig(**{**TINY, "indexer_types": ["full", "shared"]})  # GLM-5.2's top-k sharing
-    with pytest.raises(NotImplementedError, match="'shared' layers reuse the previous layer's DSA top-k"):
-        glm5_config_fields(shared)
+    # GLM-5.2's IndexShare maps (the layer specs carry it); only a list the engine cannot build is refused
+    glm5_config_fields(GlmMoeDsaConfig(**{**TINY, "indexer_types": ["full", "shared"]}))
+    for kinds, match in (
+        (["shared", "full"], r"indexer_types\[0\] is 'shared'"),
+        (["full"], "for each of the 2 layers"),
+        (["full", "sparse"], "'full' or 'shared'"),
+    ):
+        with pytest.raises(ValueError, match=match):
+            glm5_config_fields(GlmMoeDsaConfig(**{**TINY, "indexer_types": kinds}))
     yarn = GlmMoeDsaConfig(**TINY, rope_parameters={"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0})
     with pytest.raises(NotImplementedError, match="rope_type 'yarn'"):
         glm5_config_fields(yarn)

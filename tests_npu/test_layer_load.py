@@ -45,7 +45,7 @@ def test_import_verl_applies_the_layer_and_patches_json_lists_every_patch():
     statuses = {p["id"]: p["status"] for p in layer["patches"]}
     assert set(statuses) == {p.id for p in runtime_patches.ALL}
     assert statuses["ray-runtime-env-forwarding"] == "applied"  # its target was imported
-    assert statuses["dsa-hadamard-fallback"] == "pending"  # megatron was not: nothing imported eagerly
+    assert statuses["dsa-indexer-rotation"] == "pending"  # megatron was not: nothing imported eagerly
 
     cli = subprocess.run(
         [sys.executable, "-m", "verl_npu.cli", "patches", "--json"], capture_output=True, text=True, check=False

@@ -98,7 +98,7 @@ def test_triton_rms_norm_forward_and_backward_match_the_fp32_reference_under_the
 
 def test_hadamard_is_dispatched_and_megatrons_dsa_rotation_goes_through_the_dispatcher(monkeypatch):
     from verl_npu.ops.hadamard import hadamard_matrix
-    from verl_npu.runtime_patches import dsa_hadamard_fallback
+    from verl_npu.runtime_patches import dsa_indexer_rotation
 
     monkeypatch.delenv("VERL_NPU_OPS_BACKEND", raising=False)
     x = torch.randn(3, 64)
@@ -106,7 +106,7 @@ def test_hadamard_is_dispatched_and_megatrons_dsa_rotation_goes_through_the_disp
     torch.testing.assert_close(dispatch.hadamard_transform(x, 0.125), (x @ hadamard_matrix(64).T) * 0.125)
     seen = []
     monkeypatch.setattr(dispatch, "hadamard_transform", lambda t, scale: seen.append((t.shape, scale)) or t)
-    rotate = dsa_hadamard_fallback.PATCH.build(None)  # what the patch puts in place of megatron's rotate_activation
+    rotate = dsa_indexer_rotation.PATCH.build(None)  # what the patch puts in place of megatron's rotate_activation
     rotate(torch.ones(2, 16, dtype=torch.bfloat16))
     assert seen == [((2, 16), 0.25)]
 

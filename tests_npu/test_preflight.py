@@ -10,8 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from verl_npu.preflight import run_preflight
-from verl_npu.preflight.checks import FAIL, WARN
+from verl_npu.contracts.vllm_ascend import GLM52_PATCH_VARIABLE
+from verl_npu.preflight import FROM_BESIDE_SCRIPT, FROM_NAME, resolve_model, run_preflight
+from verl_npu.preflight.checks import FAIL, OK, WARN
 
 REPO = Path(__file__).resolve().parent.parent
 EXAMPLE = REPO / "examples" / "glm5_2"
@@ -33,6 +34,21 @@ def variant(tmp_path: Path, *edits: tuple[str, str]) -> Path:
 
 def failures(report) -> list[tuple[str, str, str]]:
     return [(c.area, c.name, c.message) for c in report.checks if c.status == FAIL]
+
+
+def edit_env(script: Path, old: str, new: str) -> None:
+    """Apply ``old -> new`` once to the env file the (copied) example sources."""
+    env = script.parent / "glm5_2.env"
+    text = env.read_text()
+    assert text.count(old) == 1, f"{old!r} must occur once in the env file"
+    env.write_text(text.replace(old, new))
+
+
+def without_glm52_patch(script: Path) -> None:
+    """The copied env file without VERL_VLLM_ASCEND_GLM52_PATCH (whether or not the example sets it yet)."""
+    env = script.parent / "glm5_2.env"
+    lines = env.read_text().splitlines(keepends=True)
+    env.write_text("".join(line for line in lines if not line.startswith(GLM52_PATCH_VARIABLE + "=")))
 
 
 def test_the_glm5_2_example_is_go_with_per_stage_hbm_and_per_node_host_ram():
@@ -60,6 +76,36 @@ def test_the_glm5_2_example_is_go_with_per_stage_hbm_and_per_node_host_ram():
                  "also at dsa_indexer_loss_coeff=0"):  # fmt: skip
         assert any(said in n for n in notes), said
     assert not [c for c in report.checks if c.status == WARN and c.area == "engine"]
+    # GLM-5.2's real architecture, from the config.json beside the script (/models/GLM-5.2 is not on this machine)
+    (model,) = [c for c in report.checks if c.name == "model"]
+    assert model.status == OK and f"model config from {EXAMPLE / 'config.json'} (beside the launch script)" in (
+        model.message
+    )
+    assert report.model_origin == FROM_BESIDE_SCRIPT
+    assert len(report.model["dsa_indexers"]["full"]) == 21 and len(report.model["dsa_indexers"]["shared"]) == 57
+    assert "dsa_index_share" in plan
+    bridge = [c.message for c in report.checks if c.name == "model-bridge" and c.status == OK]
+    assert "IndexShare: 21 full / 57 shared DSA layers" in bridge[0]
+    assert bridge[1:] == [
+        "stage 0: layers 0-8, full 0, 1, 2, 6",
+        "stage 1: layers 9-18, full 10, 14, 18; starts shared (carry from stage 0)",
+        "stage 2: layers 19-28, full 22, 26; starts shared (carry from stage 1)",
+        "stage 3: layers 29-38, full 30, 34, 38; starts shared (carry from stage 2)",
+        "stage 4: layers 39-48, full 42, 46; starts shared (carry from stage 3)",
+        "stage 5: layers 49-58, full 50, 54, 58; starts shared (carry from stage 4)",
+        "stage 6: layers 59-68, full 62, 66; starts shared (carry from stage 5)",
+        "stage 7: layers 69-77, full 70, 74; starts shared (carry from stage 6)",
+    ]
+    # the rollout: verl's GLM-5.2 patch is on in the env file (set by the example; the variants below remove it)
+    (patch,) = [c for c in report.checks if c.name == "glm52-patch"]
+    assert patch.status == OK and f"{GLM52_PATCH_VARIABLE}=1" in patch.message
+    # the top-k carry: kept on the device by the one-layer recompute chunks that start shared (stage 0: layers 2
+    # and 6's; the others: the received one and two full layers'), and sent at every stage boundary
+    topk = 8 * (32768 // 4) * 2048  # int64 [b, s/CP, k]
+    for stage, kept in zip(memory.stages, [2, 3, 3, 3, 3, 3, 3, 3], strict=True):
+        share = stage.index_share
+        assert stage.train["carry"] == min(8 - stage.stage, 64) * kept * topk
+        assert share.send_bytes_per_microbatch == (24 + topk // 2 if stage.stage < 7 else 0)
 
 
 def _node_stages(memory) -> list[list[int]]:
@@ -166,6 +212,35 @@ def _node_stages(memory) -> list[list[int]]:
             id="unset-variable",
         ),
         pytest.param(
+            [
+                ("FIRST_STAGE_LAYERS=9 LAST_STAGE_LAYERS=9", "FIRST_STAGE_LAYERS=10 LAST_STAGE_LAYERS=8"),
+                (
+                    "    $MEGATRON.use_distributed_optimizer=True \\\n",
+                    "    $MEGATRON.use_distributed_optimizer=True \\\n"
+                    "    $MEGATRON.virtual_pipeline_model_parallel_size=2 \\\n",
+                ),
+            ],
+            "engine",
+            "actor-build-plan",
+            # chunks of 5 layers (4 on the last stage): stage 1's first chunk starts at shared layer 5
+            "stage 1 chunk 0 (layers 5-9) starts on shared layer 5; ",
+            id="vpp-chunk-starts-shared",
+        ),
+        pytest.param(
+            [
+                (
+                    "    actor_rollout_ref.rollout.name=vllm \\\n",
+                    "    actor_rollout_ref.rollout.name=vllm \\\n    actor_rollout_ref.model.mtp.enable=True \\\n"
+                    "    actor_rollout_ref.model.mtp.enable_rollout=True \\\n",
+                )
+            ],
+            "config",
+            "rollout-mtp",
+            "verl-npu's GLM-5 bridge builds no MTP layers, so verl's weight sync sends none and under "
+            "load_format='dummy' (verl's default) the draft head stays random",
+            id="rollout-mtp-on",
+        ),
+        pytest.param(
             [('"$PYTHON" -m verl.trainer.main_ppo', '"$PYTHON" -m verl.trainer.main_ppo_typo')],
             "launch",
             "no-trainer",
@@ -186,6 +261,61 @@ def test_broken_variant_gets_its_exact_diagnosis(tmp_path, edits, area, name, me
     matching = [f for f in failures(report) if f[0] == area and f[1] == name]
     assert matching, f"expected a failed {area}/{name} check, got {failures(report)}"
     assert any(message in f[2] for f in matching), matching
+
+
+@pytest.mark.parametrize(
+    ("edit", "name", "message"),
+    [
+        pytest.param(
+            without_glm52_patch,
+            "glm52-patch",
+            f"{GLM52_PATCH_VARIABLE} is not set in the launch's environment: verl 0.9.1 ships vllm-ascend 0.23's "
+            "fixes for GLM-5.2 RL weight updates",
+            id="glm52-patch-missing",
+        ),
+        pytest.param(
+            lambda script: (
+                without_glm52_patch(script),
+                edit_env(script, "NNODES=32\n", f"NNODES=32\n{GLM52_PATCH_VARIABLE}=0\n"),
+            ),
+            "glm52-patch",
+            f"{GLM52_PATCH_VARIABLE}='0' in the launch's environment",
+            id="glm52-patch-off",
+        ),
+        pytest.param(
+            lambda script: edit_env(script, "MODEL_PATH=/models/GLM-5.2\n", "MODEL_PATH=/models/GLM-5.2-FP8\n"),
+            "rollout-fp8",
+            "its name says FP8 (the config preflight used is a stand-in: /models/GLM-5.2-FP8 is not on this machine)",
+            id="fp8-model-path",
+        ),
+    ],
+)
+def test_a_rollout_the_env_file_or_model_path_cannot_serve_is_no_go(tmp_path, edit, name, message):
+    script = variant(tmp_path)
+    edit(script)
+    report = run_preflight(script)
+    assert report.verdict == "no-go"
+    matching = [f for f in failures(report) if f[1] == name]
+    assert len(matching) == 1 and message in matching[0][2], failures(report)
+    assert [f[1] for f in failures(report)] == [name]  # nothing else is wrong with the launch
+    assert "Instead:" in matching[0][2]
+
+
+def test_an_fp8_checkpoint_config_is_no_go_for_a_vllm_rollout_on_ascend(tmp_path):
+    """GLM-5.2-FP8's config.json: e4m3 with 128x128 block scales; vllm-ascend's fp8 is MXFP8 for the 950 only."""
+    script = variant(tmp_path)
+    config = script.parent / "config.json"
+    fp8 = json.loads(config.read_text())
+    fp8["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": [128, 128]}
+    config.write_text(json.dumps(fp8))
+    report = run_preflight(script)
+    (failed,) = failures(report)
+    assert failed[:2] == ("config", "rollout-fp8")
+    assert "its config.json has quantization_config.quant_method=fp8" in failed[2]
+    assert "SFA attention asserts an unquantised kv_b_proj" in failed[2]
+    assert "point actor_rollout_ref.model.path at the BF16 checkpoint" in failed[2]
+    cuda = run_preflight(script, platform="cuda")  # not vllm-ascend: nothing to refuse here
+    assert not [f for f in failures(cuda) if f[1] == "rollout-fp8"]
 
 
 def test_expandable_segments_in_the_env_file_stop_a_sleep_mode_rollout(tmp_path):
@@ -248,6 +378,11 @@ def test_cli_go_writes_json_and_a_plot(tmp_path):
     assert "GO" in done.stdout and "HBM per device" in done.stdout and "host RAM" in done.stdout
     data = json.loads((tmp_path / "r.json").read_text())
     assert data["verdict"] == "go" and len(data["memory"]["stages"]) == 8
+    assert data["model_origin"] == FROM_BESIDE_SCRIPT
+    stage1 = data["memory"]["stages"][1]
+    assert stage1["index_share"]["receives"] and stage1["train"]["carry"] > 0
+    assert stage1["dsa_layout"].startswith("stage 1: layers 9-18, full 10, 14, 18; starts shared (carry from stage 0)")
+    assert "carry" in done.stdout and "top-k sent per micro-batch: 64.0 MiB at 0->1" in " ".join(done.stdout.split())
     import matplotlib.image
 
     image = matplotlib.image.imread(tmp_path / "r.png")
@@ -307,15 +442,59 @@ def test_token_budget_below_the_padded_longest_sequence_fails(tmp_path):
 
 
 def test_a_glm5_config_the_bridge_cannot_build_is_no_go(tmp_path):
+    """A first layer that is shared has no earlier top-k to reuse: the bridge and the build plan both refuse it.
+
+    (Before IndexShare any shared layer was refused; GLM-5.2-style shared layers now build, see below.)
+    """
     from transformers import GlmMoeDsaConfig
 
-    shared = GlmMoeDsaConfig(index_topk_freq=2)  # every other layer reuses the previous layer's top-k
-    assert "shared" in shared.indexer_types
-    shared.save_pretrained(tmp_path / "glm")
+    first_shared = GlmMoeDsaConfig(indexer_types=["shared"] + ["full"] * 77)
+    first_shared.save_pretrained(tmp_path / "glm")
     report = run_preflight(LAUNCH, model_config=str(tmp_path / "glm"))
     messages = [f[2] for f in failures(report) if f[1] == "model-bridge"]
-    assert messages and "'shared' layers reuse the previous layer's DSA top-k" in messages[0]
-    assert any(c.name == "model-bridge" and c.status == "ok" for c in run_preflight(LAUNCH).checks)
+    assert messages and "indexer_types[0] is 'shared', but the first layer has no earlier layer's top-k" in messages[0]
+    plan = [f[2] for f in failures(report) if f[1] == "actor-build-plan"]
+    assert plan and plan[0].startswith("actor: indexer_types (model config): indexer_types[0] is 'shared'")
+    # every other layer shared (transformers' index_topk_freq=2): IndexShare builds it, and every stage of the
+    # example's layout starts on a full layer (9, 19, ..., 69 are odd), so no stage receives a carry
+    GlmMoeDsaConfig(index_topk_freq=2).save_pretrained(tmp_path / "freq2")
+    report = run_preflight(LAUNCH, model_config=str(tmp_path / "freq2"))
+    assert report.verdict == "go", failures(report)
+    bridge = [c.message for c in report.checks if c.name == "model-bridge"]
+    assert "IndexShare: 40 full / 38 shared DSA layers" in bridge[0] and "starts shared" not in " ".join(bridge)
+    assert not any(s.index_share.receives for s in report.memory.stages)
+
+
+def test_without_the_model_or_a_config_beside_the_script_a_glm5_2_name_gets_glm5_2s_architecture(tmp_path):
+    script = variant(tmp_path)
+    (script.parent / "config.json").unlink()
+    report = run_preflight(script)
+    assert report.verdict == "go", failures(report)
+    (model,) = [c for c in report.checks if c.name == "model"]
+    assert model.status == WARN and "using GLM-5.2's published architecture" in model.message
+    assert report.model_origin == FROM_NAME and len(report.model["dsa_indexers"]["shared"]) == 57
+    glm5 = variant(tmp_path / "glm5")
+    (glm5.parent / "config.json").unlink()
+    edit_env(glm5, "MODEL_PATH=/models/GLM-5.2\n", "MODEL_PATH=/models/GLM-5\n")
+    report = run_preflight(glm5)
+    (model,) = [c for c in report.checks if c.name == "model"]
+    assert "using GLM-5's shape" in model.message and report.model["dsa_indexers"]["shared"] == []
+    assert any("every layer's DSA indexer is full" in c.message for c in report.checks if c.name == "model-bridge")
+
+
+def test_where_the_model_config_comes_from(tmp_path):
+    beside = str(EXAMPLE / "config.json")
+    hf, check, origin = resolve_model("/models/GLM-5.2", None, beside)
+    assert origin == FROM_BESIDE_SCRIPT and check.status == OK and hf["indexer_types"].count("shared") == 57
+    assert "/models/GLM-5.2 is not on this machine" in check.message
+    hf, check, origin = resolve_model("/models/glm5_2-bf16", None, None)
+    assert origin == FROM_NAME and check.status == WARN and hf["indexer_types"].count("shared") == 57
+    hf, check, origin = resolve_model("/models/GLM-5", None, None)
+    assert origin == FROM_NAME and "shared" not in hf["indexer_types"]
+    hf, check, origin = resolve_model("/models/GLM-5.2", str(EXAMPLE / "config.json"), None)
+    assert origin == "model-config" and check.status == OK
+    hf, check, origin = resolve_model("/models/Qwen3-8B", None, None)
+    assert hf is None and origin is None and check.status == FAIL
 
 
 def test_a_repeated_check_reuses_the_cached_answer_until_the_model_config_changes(tmp_path, monkeypatch):
@@ -333,7 +512,7 @@ def test_a_repeated_check_reuses_the_cached_answer_until_the_model_config_change
     second = run_preflight(LAUNCH, model_config=str(tmp_path / "glm"))
     assert second.to_dict() == first.to_dict() and not started
 
-    GlmMoeDsaConfig(index_topk_freq=2).save_pretrained(tmp_path / "glm")  # same path, new bytes
+    GlmMoeDsaConfig(indexer_types=["shared"] + ["full"] * 77).save_pretrained(tmp_path / "glm")  # same path, new bytes
     monkeypatch.undo()
     monkeypatch.setenv("VERL_NPU_CACHE_DIR", str(tmp_path / "cache"))
     third = run_preflight(LAUNCH, model_config=str(tmp_path / "glm"))

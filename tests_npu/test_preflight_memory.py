@@ -7,7 +7,9 @@ bookkeeping (sharding, precision, recompute, offload, nodes) are checked on the 
 
 from __future__ import annotations
 
+import dataclasses
 import json
+from pathlib import Path
 
 import pytest
 
@@ -322,3 +324,137 @@ def test_dsa_attention_holds_no_s_by_s_buffer_on_either_verl_npu_path():
     assert chunked != fused and abs(chunked - fused) <= 4 * 4 * DSA_ATTENTION_CHUNK_ELEMENTS
     with pytest.raises(ValueError, match="dsa_kernel 'dense': use 'fused' or 'chunked'"):
         activations(1024, dsa_kernel="dense")
+
+
+# --- GLM-5.2: IndexShare's shared DSA layers and the pipeline top-k carry -----------------------------------
+EXAMPLE_CONFIG = Path(__file__).resolve().parent.parent / "examples" / "glm5_2" / "config.json"
+
+
+def test_shared_layers_hold_no_indexer_unlike_transformers_modules():
+    """transformers 5.10.4 builds an (unused) indexer on shared layers; the published checkpoint and the engine have
+    none, so the count is the real model's minus those indexers."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    kinds = ["full", "shared", "full", "shared"]
+    hf = dict(TINY_HF["glm_moe_dsa"], indexer_types=kinds)
+    config = AutoConfig.for_model("glm_moe_dsa", **hf)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config)
+    shape = ModelShape.from_hf(config)
+    assert shape.indexer_kinds() == tuple(kinds) and shape.shared_layers == 2
+    for i, layer in enumerate(model.model.layers):
+        indexer = sum(p.numel() for n, p in layer.named_parameters() if ".indexer." in n)
+        assert indexer == shape.indexer_params() > 0  # transformers: one on every layer
+        real = sum(p.numel() for p in layer.parameters())
+        counted = shape.layer_params(i)
+        assert counted.dense + counted.expert == real - (indexer if kinds[i] == "shared" else 0), f"layer {i}"
+    assert shape.total_params() == sum(p.numel() for p in model.parameters()) - 2 * shape.indexer_params()
+
+
+def test_the_glm5_2_fallback_is_the_published_architecture():
+    """Preflight's "glm5.2" (name fallback) equals examples/glm5_2/config.json: 21 full / 57 shared indexers."""
+    from verl_npu.preflight.model_shape import load_config
+
+    glm52, published = ModelShape.from_hf("glm5.2"), ModelShape.from_hf(EXAMPLE_CONFIG)
+    assert glm52 == published
+    kinds = glm52.indexer_kinds()
+    assert kinds.count("full") == 21 and kinds.count("shared") == 57
+    assert [i for i, k in enumerate(kinds) if k == "full"][:6] == [0, 1, 2, 6, 10, 14]
+    glm5 = ModelShape.from_hf("glm5")
+    assert glm5.indexer_kinds() == ("full",) * 78 and glm5.indexer_full == ()
+    assert glm5.total_params() - glm52.total_params() == 57 * glm52.indexer_params()
+    fallback, config = load_config("glm5.2"), load_config(EXAMPLE_CONFIG)
+    for key in ("indexer_types", "rope_parameters", "max_position_embeddings", "num_nextn_predict_layers",
+                "moe_router_dtype", "routed_scaling_factor", "index_topk_freq", "index_skip_topk_offset"):  # fmt: skip
+        assert fallback[key] == config[key], key
+
+
+def test_a_shared_layer_saves_neither_indexer_activations_nor_a_top_k():
+    from verl_npu.preflight.memory import _attention, _Sizes
+
+    glm52 = ModelShape.from_hf("glm5.2")
+    z = _Sizes(s=8192, b=1, t=2, sp=2, etp=1, seq=32768)  # CP 4 of a 32k sequence
+    act = Activations(seq_len=32768)
+    full, shared = _attention(glm52, z, act, indexer=True), _attention(glm52, z, act, indexer=False)
+    n, d = glm52.index_n_heads, glm52.index_head_dim
+    indexer = (2 * n * d + 2 * 2 * d + 4 + 2 * n) * 8192  # q, k (+ LayerNorm), head weights
+    topk = 8 * 8192 * 2048  # int64 [b, s/cp, min(index_topk, seq)]
+    assert full[0] - shared[0] == indexer + topk
+    stage = estimate(glm52, Parallelism(tp=8, pp=13, ep=8), activations=act).stages[1]
+    glm5_stage = estimate(ModelShape.from_hf("glm5"), Parallelism(tp=8, pp=13, ep=8), activations=act).stages[1]
+    assert stage.train["activations"] < glm5_stage.train["activations"]
+
+
+def _glm52(acts: Activations, parallelism: Parallelism = GLM5_MESH):
+    return estimate(ModelShape.from_hf(EXAMPLE_CONFIG), parallelism, PRECISION_AWARE, acts, Offload(True, True),
+                    capacity_bytes=A3_HBM, rollout_gpu_memory_utilization=0.8)  # fmt: skip
+
+
+def test_the_carry_under_full_recompute_keeps_the_top_k_that_chunks_starting_shared_read():
+    result = _glm52(GLM5_ACTS)  # the example's layout: PP 8 (9 + 6 x 10 + 9), CP 4, 32k tokens, full recompute
+    print(result.summary())
+    topk = 8 * 1 * (32768 // 4) * 2048  # int64 [b, s/cp, min(index_topk, seq)]: 128 MiB
+    message = 3 * 8 + 4 * 1 * (32768 // 4) * 2048  # int64 header + int32 top-k: 64 MiB
+    full = [[0, 1, 2, 6], [10, 14, 18], [22, 26], [30, 34, 38], [42, 46], [50, 54, 58], [62, 66], [70, 74]]
+    # one-layer chunks: every shared layer starts one and reads the latest top-k (received, or a full layer's on
+    # the stage); stage 0 keeps layers 2 and 6's, stage 1 the received one and layers 10 and 14's (18 is last)
+    kept = [2, 3, 3, 3, 3, 3, 3, 3]
+    for stage, layers, held in zip(result.stages, full, kept, strict=True):
+        share = stage.index_share
+        p = stage.stage
+        assert share.full_layers == tuple(layers)
+        assert len(share.full_layers) + len(share.shared_layers) == stage.layers
+        assert share.receives == (p > 0) and share.sends == (p < 7)  # every stage after the first starts shared
+        assert share.topk_bytes == topk
+        in_flight = 8 - p  # 1F1B: min(PP - p, micro-batches)
+        assert share.carry_bytes_per_microbatch == held * topk
+        assert stage.train["carry"] == share.carry_bytes == in_flight * share.carry_bytes_per_microbatch
+        assert stage.floor["carry"] == 0
+        assert share.send_bytes_per_microbatch == (message if p < 7 else 0)
+        assert share.receive_bytes_per_microbatch == (message if p > 0 else 0)
+    assert result.stages[0].train["carry"] == 8 * 2 * topk  # 2 GiB: 2 top-k x 8 micro-batches in flight
+    assert result.stages[1].index_share.layout(1) == (
+        "stage 1: layers 9-18, full 10, 14, 18; starts shared (carry from stage 0); sends its top-k to stage 2"
+    )
+    assert "3 int64 top-k of 128.0 MiB per in-flight micro-batch" in result.stages[1].details["carry"]
+    assert result.fits
+    data = result.to_dict()["stages"][1]
+    assert data["index_share"]["receives"] is True and data["dsa_layout"].startswith("stage 1: layers 9-18")
+    assert data["train"]["carry"] == result.stages[1].train["carry"]
+
+
+@pytest.mark.parametrize(
+    ("recompute", "receives", "held"),
+    [
+        (("full", "uniform", 1), False, 2),  # chunks of layers 3, 4, 5 read 2's top-k; 7's reads 6's
+        (("full", "uniform", 3), False, 1),  # chunks [0-2] [3-5] [6-7]: only [3-5] starts shared
+        (("full", "uniform", 3), True, 1),  # the same chunks: [0-2] starts on a full layer, received is unread
+        (("full", "block", 4), False, 1),  # layer 3's chunk; layers 4-7 run unchecked (their top-k: activations)
+        ((None, None, None), True, 0),  # stage starting full: the received top-k is never saved
+    ],
+)
+def test_a_chunk_keeps_the_carry_until_backward_only_when_it_starts_shared(recompute, receives, held):
+    from verl_npu.preflight.memory import _held_top_k
+
+    full = [True, True, True, False, False, False, True, False]  # GLM-5.2's first 8 layers
+    granularity, method, layers = recompute
+    act = Activations(recompute_granularity=granularity, recompute_method=method, recompute_num_layers=layers)
+    assert _held_top_k(full, receives, act) == held
+    assert _held_top_k([True] * 8, receives, act) == 0  # GLM-5: every chunk starts on a full layer
+    assert _held_top_k([False, *full[1:]], True, Activations()) == 1  # a stage starting shared keeps the received
+
+
+def test_without_full_recompute_only_the_received_top_k_is_extra_and_one_micro_batch_keeps_less():
+    plain = _glm52(dataclasses.replace(GLM5_ACTS, recompute_granularity=None, recompute_method=None))
+    topk = 8 * (32768 // 4) * 2048
+    assert plain.stages[0].train["carry"] == 0  # the full layers' top-k are saved activations already
+    assert plain.stages[1].train["carry"] == 7 * topk  # the received one, per micro-batch in flight
+    single = _glm52(dataclasses.replace(GLM5_ACTS, num_microbatches=1))
+    assert single.stages[0].train["carry"] == 2 * topk  # min(PP - p, micro-batches) = 1
+    # no carry on a model without IndexShare layers, nor on an interleaved layout (refused where it would carry)
+    assert estimate(DENSE).stages[0].index_share is None and estimate(DENSE).stages[0].train["carry"] == 0
+    vpp = dataclasses.replace(GLM5_MESH, vpp=2, num_layers_in_first_pipeline_stage=10,
+                              num_layers_in_last_pipeline_stage=8)  # fmt: skip
+    interleaved = _glm52(GLM5_ACTS, vpp)
+    assert not any(s.index_share.receives or s.index_share.sends for s in interleaved.stages)

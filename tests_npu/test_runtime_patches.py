@@ -14,7 +14,7 @@ from verl_npu.ops.hadamard import hadamard_matrix, hadamard_transform
 from verl_npu.patching import APPLIED, SKIPPED
 from verl_npu.runtime_patches import (
     dsa_call_context,
-    dsa_hadamard_fallback,
+    dsa_indexer_rotation,
     dsa_local_spec,
     ray_runtime_env,
     rope_cpu_init,
@@ -100,12 +100,12 @@ def test_hadamard_gradient_is_the_transposed_transform():
 
 
 def test_dsa_rotation_fails_without_fast_hadamard_transform_and_the_fallback_matches():
-    dsa = importlib.import_module(dsa_hadamard_fallback.DSA_MODULE)
+    dsa = importlib.import_module(dsa_indexer_rotation.DSA_MODULE)
     assert dsa.hadamard_transform is None, "this test needs a machine without fast_hadamard_transform"
     x = torch.randn(2, 3, 4, 128).to(torch.bfloat16)
-    with without(dsa_hadamard_fallback.PATCH), pytest.raises(AssertionError, match="fast_hadamard_transform"):
+    with without(dsa_indexer_rotation.PATCH), pytest.raises(AssertionError, match="fast_hadamard_transform"):
         dsa.rotate_activation(x)
-    applied(dsa_hadamard_fallback.PATCH)
+    applied(dsa_indexer_rotation.PATCH)
     out = dsa.rotate_activation(x)
     reference = (x.float() @ hadamard_matrix(128).T) * 128**-0.5
     assert out.dtype == torch.bfloat16 and out.shape == x.shape
@@ -114,13 +114,19 @@ def test_dsa_rotation_fails_without_fast_hadamard_transform_and_the_fallback_mat
         dsa.rotate_activation(x.float())
 
 
-def test_hadamard_fallback_skips_when_the_extension_is_installed(monkeypatch):
-    dsa = importlib.import_module(dsa_hadamard_fallback.DSA_MODULE)
-    monkeypatch.setattr(dsa, "hadamard_transform", lambda x, scale: x * scale)  # stands in for the CUDA extension
-    assert (
-        dsa_hadamard_fallback.PATCH.condition()
-        == "fast_hadamard_transform is installed; megatron's own rotation is used"
-    )
+def test_the_extension_rotates_where_installed_and_a_glm5_indexshare_layer_does_not_rotate(monkeypatch):
+    from verl_npu.engine import index_share
+
+    dsa = importlib.import_module(dsa_indexer_rotation.DSA_MODULE)
+    x = torch.randn(2, 128).to(torch.bfloat16)
+    extension = []
+    monkeypatch.setattr(dsa, "hadamard_transform", lambda t, scale: extension.append(scale) or t * 2)  # stand-in
+    rotate = dsa_indexer_rotation.PATCH.build(lambda t: dsa.hadamard_transform(t, t.size(-1) ** -0.5))
+    torch.testing.assert_close(rotate(x), x * 2)
+    assert extension == [128**-0.5]
+    with index_share._source_scope(layer_number=3, rotate=False):  # what a GLM-5 full layer's forward sets
+        assert rotate(x) is x
+    assert extension == [128**-0.5]
 
 
 # --- DSA on the local spec, with CPU initialisation ------------------------------------------------

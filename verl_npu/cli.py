@@ -12,6 +12,7 @@ from rich.console import Console
 from rich.table import Table
 
 from verl_npu import doctor
+from verl_npu.contracts.spec import COMPONENTS as CONTRACT_COMPONENTS
 from verl_npu.stack import matrix
 from verl_npu.stack.manifest import MANIFEST_PATH, TARGETS, Stack, StackError, load_stack
 
@@ -210,6 +211,7 @@ def contract_pins(stack: Stack) -> dict[str, str]:
         "mindspeed": stack.git["mindspeed"].commit,
         "vllm-ascend": stack.git["vllm-ascend"].commit,
         "torch-npu": stack.packages["torch-npu"].version,
+        "vllm": stack.git["vllm"].version,
     }
 
 
@@ -316,7 +318,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-cache", action="store_true", help="recompute verl's validation and the model config")
     p.set_defaults(func=cmd_preflight)
 
-    contracts = sub.add_parser("contracts", help="facts verl-npu relies on in MindSpeed, vllm-ascend and torch-npu")
+    contracts = sub.add_parser(
+        "contracts", help="facts verl-npu relies on in MindSpeed, vllm-ascend, torch-npu and vLLM"
+    )
     contracts_sub = contracts.add_subparsers(dest="contracts_command", required=True)
     p = contracts_sub.add_parser("list", help="the recorded contracts")
     p.add_argument("--markdown", action="store_true", help="print docs/ascend_contracts.md (generated)")
@@ -330,7 +334,7 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="NAME=DIR",
         help="check this source tree (checkout, unpacked wheel or sdist) for NAME instead of the installed one",
     )
-    p.add_argument("--component", action="append", choices=("mindspeed", "vllm-ascend", "torch-npu"),
+    p.add_argument("--component", action="append", choices=CONTRACT_COMPONENTS,
                    help="only these components (repeatable; default: all)")  # fmt: skip
     p.add_argument("--json", metavar="FILE", help="also write the results as JSON ('-': JSON on stdout only)")
     p.set_defaults(func=cmd_contracts_verify)

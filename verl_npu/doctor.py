@@ -541,6 +541,34 @@ def check_allocator_env(probe: Probe, target: str) -> list[Finding]:
     ]
 
 
+def check_glm52_rollout_patch(probe: Probe, target: str) -> list[Finding]:
+    """verl 0.9.1's vllm-ascend 0.23 fixes for GLM-5.2 RL weight updates are opt-in (VERL_VLLM_ASCEND_GLM52_PATCH).
+
+    Without them a GLM-5.2 rollout on Ascend disposes SFA's kv_b_proj after the first load (later weight
+    syncs cannot rebuild the absorbed weights) and scores the indexer without its scale. Only a warning: other
+    models do not need the patch, and verl applies it to every vLLM rollout once it is on.
+    """
+    from verl_npu.contracts.vllm_ascend import GLM52_PATCH_ON_VALUES, GLM52_PATCH_VARIABLE
+
+    value = probe.env.get(GLM52_PATCH_VARIABLE)
+    shown = "unset" if value is None else f"={value}"
+    if target not in NPU_TARGETS:
+        return [Finding("env.glm52-rollout-patch", OK, f"{GLM52_PATCH_VARIABLE} {shown} (vllm-ascend only)")]
+    if value is not None and value.strip().lower() in GLM52_PATCH_ON_VALUES:  # verl's own test of the value
+        return [Finding("env.glm52-rollout-patch", OK, f"{GLM52_PATCH_VARIABLE}={value}: verl's GLM-5.2 fixes are on")]
+    return [
+        Finding(
+            "env.glm52-rollout-patch",
+            WARN,
+            f"{GLM52_PATCH_VARIABLE} {shown}: GLM-5.2 RL with vLLM rollouts on Ascend needs verl's vllm-ascend 0.23 "
+            "fixes for weight updates (SFA keeps kv_b_proj, indexer weight scale, residual add, sleep and wake-up), "
+            f"which verl applies only when it is {'/'.join(GLM52_PATCH_ON_VALUES)}",
+            f"export {GLM52_PATCH_VARIABLE}=1 for GLM-5.2 (examples/glm5_2/glm5_2.env sets it; verl-npu forwards it "
+            "to the Ray workers)",
+        )
+    ]
+
+
 def _component_root(probe: Probe, import_name: str) -> Path | None:
     locations = probe.module_locations(import_name)
     if not locations:
@@ -550,7 +578,7 @@ def _component_root(probe: Probe, import_name: str) -> Path | None:
 
 
 def check_contracts(probe: Probe, target: str, registry: Sequence[Any] | None = None) -> list[Finding]:
-    """The recorded facts about MindSpeed, vllm-ascend and torch-npu (``registry``, default: all
+    """The recorded facts about MindSpeed, vllm-ascend, torch-npu and vLLM (``registry``, default: all
     of verl_npu.contracts), against the sources installed where the probe looks."""
     from verl_npu import contracts
     from verl_npu.contracts.verify import IMPORT_NAMES, verify
@@ -769,6 +797,7 @@ def diagnose(
     findings += check_modules(probe, stack, target)
     findings += check_external_modules(probe, target)
     findings += check_allocator_env(probe, target)
+    findings += check_glm52_rollout_patch(probe, target)
     findings += check_contracts(probe, target, contracts)
     findings += check_system(probe, target)
     if layer:

@@ -12,8 +12,12 @@ Locators (how a symbol names a piece of a file):
 * ``schema``: an operator's ``func:`` line in torch-npu's native-functions YAML;
 * ``op-doc``: the docstring torch-npu registers for an operator (``_add_torch_npu_docstr``);
 * ``file``: the whole file;
-* ``grep``: every line matching a regular expression in the Python files under a directory, with
-  its path (for facts of the form "nothing reads X").
+* ``grep``: every line matching a regular expression in the Python files under a directory (or in
+  one file), with its path (for facts of the form "nothing reads X" or "X is defined once").
+
+An expectation is a substring the symbol's source must (or must not) contain, end with or equal;
+``ignore_whitespace`` compares both with all whitespace removed, the way verl's GLM-5.2 rollout patch
+(verl/utils/vllm/npu_vllm_patch.py) compares the sources it patches.
 """
 
 from __future__ import annotations
@@ -25,8 +29,9 @@ import re
 import warnings
 from pathlib import Path
 
-COMPONENTS = ("mindspeed", "vllm-ascend", "torch-npu")
+COMPONENTS = ("mindspeed", "vllm-ascend", "torch-npu", "vllm")
 LOCATORS = ("python", "schema", "op-doc", "file", "grep")
+MATCHES = ("contains", "ends-with", "equals")
 _ID_RE = re.compile(r"^[a-z0-9][a-z0-9-]*$")
 
 
@@ -38,16 +43,41 @@ class SymbolNotFound(LookupError):
     """The file exists but the symbol a contract names is not in it."""
 
 
+def squash(text: str) -> str:
+    """``text`` without any whitespace (verl's GLM-5.2 patch normalises the sources it checks this way)."""
+    return "".join(text.split())
+
+
 @dataclasses.dataclass(frozen=True)
 class Expect:
-    """A substring the symbol's source must (or must not) contain, and the fact that makes it matter."""
+    """A substring the symbol's source must (or must not) contain, end with or equal, and the fact that makes
+    it matter."""
 
     text: str
     fact: str
     present: bool = True
+    match: str = "contains"  # one of MATCHES
+    ignore_whitespace: bool = False
+
+    def __post_init__(self) -> None:
+        if self.match not in MATCHES:
+            raise ContractSpecError(f"expectation {self.text!r}: match {self.match!r} not in {MATCHES}")
 
     def holds(self, source: str) -> bool:
-        return (self.text in source) == self.present
+        text, source = (squash(self.text), squash(source)) if self.ignore_whitespace else (self.text, source.strip())
+        if self.match == "equals":
+            found = source == text
+        elif self.match == "ends-with":
+            found = source.endswith(text)
+        else:
+            found = text in source
+        return found == self.present
+
+    def broken(self) -> str:
+        """How a source that breaks this expectation differs, in words."""
+        verb = {"contains": "contains", "ends-with": "ends with", "equals": "equals"}[self.match]
+        ignoring = " (whitespace ignored)" if self.ignore_whitespace else ""
+        return f"{'no longer ' + verb if self.present else 'now ' + verb} {self.text!r}{ignoring}"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -145,10 +175,14 @@ def _op_doc(text: str, op: str) -> tuple[str, int]:
 def _grep(root: Path, directory: str, pattern: str) -> tuple[str, int]:
     regex = re.compile(pattern)
     base = root / directory
-    if not base.is_dir():
+    if base.is_file():
+        paths = [base]
+    elif base.is_dir():
+        paths = sorted(base.rglob("*.py"))
+    else:
         raise FileNotFoundError(base)
     hits = []
-    for path in sorted(base.rglob("*.py")):
+    for path in paths:
         for line in path.read_text(errors="replace").splitlines():
             if regex.search(line):
                 hits.append(f"{path.relative_to(root).as_posix()}: {line.strip()}")

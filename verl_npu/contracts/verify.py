@@ -1,6 +1,6 @@
 """Check the recorded contracts against real upstream sources: a checkout, an unpacked wheel or sdist,
 or what is installed in this Python (located without importing it: importing MindSpeed patches
-megatron, importing torch_npu needs CANN).
+megatron, importing torch_npu needs CANN, importing vllm_ascend imports torch_npu).
 
 Standard library only, so install.sh can run it right after installing the components.
 """
@@ -16,7 +16,7 @@ from verl_npu.contracts.spec import COMPONENTS, Contract, SymbolNotFound, finger
 
 OK, DRIFTED, MISSING, NOT_FOUND = "ok", "drifted", "missing", "not-found"
 # the import package that locates each component's source root (its parent directory)
-IMPORT_NAMES = {"mindspeed": "mindspeed", "vllm-ascend": "vllm_ascend", "torch-npu": "torch_npu"}
+IMPORT_NAMES = {"mindspeed": "mindspeed", "vllm-ascend": "vllm_ascend", "torch-npu": "torch_npu", "vllm": "vllm"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -67,9 +67,7 @@ def check(contract: Contract, root: Path) -> Result:
     if found == contract.sha256 and not broken:
         return Result(contract, OK, contract.relied_on, found)
     if broken:
-        facts = "; ".join(
-            f"{e.fact}: {'no longer contains' if e.present else 'now contains'} {e.text!r}" for e in broken
-        )
+        facts = "; ".join(f"{e.fact}: {e.broken()}" for e in broken)
         return Result(contract, DRIFTED, f"changed, and these facts no longer hold: {facts}", found)
     return Result(
         contract,

@@ -4,6 +4,12 @@ It decides which features are on (fused RMSNorm, DSA, offload, precision-aware o
 TransformerConfig and DDP overrides that implement them, and the MindSpeed ``repatch`` arguments on
 Ascend. Every invalid combination raises :class:`BuildPlanError` naming the keys, the rule and a
 valid alternative. Preflight (launch checking) runs the same function.
+
+The pipeline layout (PP, VPP, the first/last stage's layer counts) comes from the engine config
+(``pipeline_model_parallel_size``, ``virtual_pipeline_model_parallel_size``, and
+``override_transformer_config``'s ``num_layers_in_first/last_pipeline_stage`` and
+``num_layers_per_virtual_pipeline_stage``): GLM-5.2's IndexShare layers need it to know which
+model chunks start on a shared layer (:func:`model_chunks`).
 """
 
 from __future__ import annotations
@@ -21,6 +27,7 @@ from verl_npu.contracts.mindspeed import (
     FUSED_KL_ATTENTION_HEADS,
 )
 from verl_npu.contracts.torch_npu import INDEXER_SPARSE_COUNTS
+from verl_npu.engine.glm5_config import FULL, MODEL_TYPE, SHARED
 
 OTC = "override_transformer_config"
 DSA_FUSED_FLAGS = DSA_FUSED_OPERATORS
@@ -61,6 +68,108 @@ _DTYPE_ALIASES = {
     "fp16": "fp16",
     "fp8": "fp8",
 }
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelChunk:
+    """One model chunk of a pipeline layout: layers [first_layer, first_layer + num_layers) on one pipeline rank."""
+
+    pp_rank: int
+    vp_stage: int | None  # None: no virtual pipeline (one chunk per rank)
+    first_layer: int
+    num_layers: int
+
+    @property
+    def name(self) -> str:
+        return f"stage {self.pp_rank}" + (f" chunk {self.vp_stage}" if self.vp_stage is not None else "")
+
+    @property
+    def layers(self) -> str:
+        last = self.first_layer + self.num_layers - 1
+        return f"layer {last}" if self.num_layers == 1 else f"layers {self.first_layer}-{last}"
+
+
+@dataclasses.dataclass(frozen=True)
+class PipelineLayout:
+    pp: int
+    vpp: int | None  # > 1: interleaved (virtual) pipeline
+    first: int | None  # num_layers_in_first_pipeline_stage
+    last: int | None  # num_layers_in_last_pipeline_stage
+
+    @property
+    def interleaved(self) -> bool:
+        return self.vpp is not None and self.vpp > 1
+
+    def describe(self) -> str:
+        text = f"PP {self.pp}" + (f" x VPP {self.vpp}" if self.interleaved else "")
+        ends = [f"{n} on the {w} stage" for n, w in ((self.first, "first"), (self.last, "last")) if n is not None]
+        return text + (f" ({', '.join(ends)})" if ends else "")
+
+
+def pipeline_layout(engine_config: Any, num_layers: int | None = None) -> PipelineLayout:
+    """The pipeline layout verl's engine config asks megatron for (see the module docstring)."""
+    otc = _get(engine_config, OTC) or {}
+    pp = int(_get(engine_config, "pipeline_model_parallel_size", 1) or 1)
+    first, last = otc.get("num_layers_in_first_pipeline_stage"), otc.get("num_layers_in_last_pipeline_stage")
+    vpp = _get(engine_config, "virtual_pipeline_model_parallel_size")
+    per_chunk = otc.get("num_layers_per_virtual_pipeline_stage")
+    if vpp is None and per_chunk and num_layers and pp > 1:
+        # Megatron-LM derives VPP from it: a (middle) stage's layers over the layers of one chunk
+        middle = pp - (first is not None) - (last is not None)
+        rest = num_layers - (first or 0) - (last or 0)
+        vpp = max((rest // middle if middle else first or 0) // int(per_chunk), 1)
+    return PipelineLayout(pp, int(vpp) if vpp is not None else None, first, last)
+
+
+def model_chunks(num_layers: int, layout: PipelineLayout) -> list[ModelChunk]:
+    """Every model chunk in layer order, as megatron-core 0.18 places them (get_transformer_layer_offset).
+
+    Raises ValueError when the layers do not split that way (preflight's mesh check names the numbers).
+    """
+    pp, first, last = layout.pp, layout.first, layout.last
+    vpp = layout.vpp if layout.interleaved else 1
+    if pp == 1:
+        return [ModelChunk(0, None, 0, num_layers)]
+    middle = pp - (first is not None) - (last is not None)
+    rest = num_layers - (first or 0) - (last or 0)
+    if rest < 0 or (middle and rest % (middle * vpp)) or (not middle and rest):
+        raise ValueError(f"{num_layers} layers do not split over {layout.describe()}")
+    each = rest // (middle * vpp) if middle else 0
+    ends = []
+    for stage_layers in (first, last):
+        if stage_layers is not None and stage_layers % vpp:
+            raise ValueError(f"{stage_layers} layers of an end stage do not split into {vpp} model chunks")
+        ends.append(None if stage_layers is None else stage_layers // vpp)
+    chunks, start = [], 0
+    for vp_stage in range(vpp):
+        for rank in range(pp):
+            n = each
+            if rank == 0 and ends[0] is not None:
+                n = ends[0]
+            elif rank == pp - 1 and ends[1] is not None:
+                n = ends[1]
+            chunks.append(ModelChunk(rank, vp_stage if layout.interleaved else None, start, n))
+            start += n
+    return chunks
+
+
+def _attrs(hf_config: Any) -> Any:
+    """A config dict (preflight's) read as attributes, the way the engine's PretrainedConfig is."""
+    import types
+
+    return types.SimpleNamespace(**hf_config) if isinstance(hf_config, Mapping) else hf_config
+
+
+def index_share_kinds(hf_config: Any) -> tuple[str, ...] | None:
+    """Each layer's indexer ("full" / "shared") for a glm_moe_dsa model or one listing indexer_types, else None.
+
+    Raises ValueError for a list the engine cannot build (verl_npu.engine.glm5_config.indexer_types).
+    """
+    if _get(hf_config, "model_type") != MODEL_TYPE and _get(hf_config, "indexer_types") is None:
+        return None
+    from verl_npu.engine.glm5_config import indexer_types
+
+    return indexer_types(_attrs(hf_config))
 
 
 class BuildPlanError(ValueError):
@@ -126,6 +235,7 @@ def build_plan(engine_config: Any, optimizer_config: Any, hf_config: Any, platfo
     plan = _Draft(platform=platform, tf={k: v for k, v in otc.items() if k not in MINDSPEED_ONLY_KEYS})
     _rmsnorm(plan, problems, otc, hf_config)
     _dsa(plan, problems, otc, engine_config, hf_config)
+    _index_share(plan, problems, engine_config, hf_config)
     _offload_and_optimizer(plan, problems, engine_config, optimizer_config)
     if problems:
         raise BuildPlanError(problems)
@@ -232,6 +342,20 @@ def _dsa(plan: _Draft, problems: _Problems, otc: Mapping[str, Any], engine_confi
             "DSA does not support packed (THD) input in megatron-core 0.18",
             "set actor_rollout_ref.actor.megatron.use_remove_padding=False (and ref/critic alike)",
         )
+    modules = otc.get("recompute_modules")
+    if otc.get("recompute_granularity") == "selective" and (modules is None or "core_attn" in modules):
+        shown = (
+            f"recompute_modules={list(modules)}"
+            if modules is not None
+            else "recompute_modules unset (megatron's default ['core_attn'])"
+        )
+        problems.add(
+            f"{OTC}.recompute_granularity=selective with {shown}",
+            "megatron-core 0.18's selective recompute of core_attn checkpoints the core attention without passing "
+            "DSA its x and qr inputs (the indexer's), so a DSA model cannot recompute it",
+            f"set {OTC}.recompute_granularity=full (with recompute_method / recompute_num_layers), or keep selective "
+            f'recompute with recompute_modules that leave out core_attn, e.g. ["mla_up_proj", "mlp"]',
+        )
     plan.tf.update(
         experimental_attention_variant="dsa", multi_latent_attention=True, qk_layernorm=True, apply_rope_fusion=False
     )
@@ -275,6 +399,79 @@ def _dsa(plan: _Draft, problems: _Problems, otc: Mapping[str, Any], engine_confi
         "fused DSA: npu_sparse_lightning_indexer_grad_kl_loss runs on every training forward, also at "
         "dsa_indexer_loss_coeff=0 (MindSpeed multiplies its loss by the coefficient afterwards)",
     ]
+
+
+def _index_share(plan: _Draft, problems: _Problems, engine_config: Any, hf_config: Any) -> None:
+    """GLM-5.2's shared DSA layers: a model whose first layer is shared, and pipelines the top-k carry cannot serve.
+
+    A shared layer reuses the top-k of the most recent full layer (verl_npu.engine.index_share); a pipeline
+    stage that starts on a shared layer receives it from the previous stage, one model chunk per stage.
+    """
+    try:
+        kinds = index_share_kinds(hf_config)
+    except ValueError as exc:
+        problems.add(
+            "indexer_types (model config)",
+            str(exc).removeprefix("GLM-5 bridge: "),
+            "a model config whose indexer_types lists 'full' or 'shared' for every layer and marks layer 0 'full' "
+            "(GLM-5.2's published config.json does)",
+        )
+        return
+    if kinds is None or SHARED not in kinds:
+        return
+    plan.features.append("dsa_index_share")
+    layout = pipeline_layout(engine_config, len(kinds))
+    try:
+        chunks = model_chunks(len(kinds), layout)
+    except ValueError:
+        return  # an uneven split is the mesh's finding (preflight), megatron's assertion (engine)
+    from verl_npu.engine.index_share import stage_plans
+
+    plans = stage_plans(kinds, [c.num_layers for c in chunks])  # chunks are in layer order
+    receiving = [c for c, p in zip(chunks, plans, strict=True) if p.receives]
+    full = kinds.count(FULL)
+    if layout.interleaved and receiving:
+        flat = dataclasses.replace(layout, vpp=None)
+        alternative = (
+            f"the same {flat.describe()} without a virtual pipeline (drop virtual_pipeline_model_parallel_size "
+            "and num_layers_per_virtual_pipeline_stage)"
+        )
+        try:
+            stages = model_chunks(len(kinds), flat)
+        except ValueError:
+            stages = []
+        if stages:
+            flat_plans = stage_plans(kinds, [c.num_layers for c in stages])
+            carried = [str(c.pp_rank) for c, p in zip(stages, flat_plans, strict=True) if p.receives]
+            alternative += f": its stages start at layers {', '.join(str(c.first_layer) for c in stages)}"
+            if carried:
+                alternative += f", and stage{'s' * (len(carried) > 1)} {', '.join(carried)} receive"
+                alternative += "s" * (len(carried) == 1) + " the top-k from the stage before"
+        where = "; ".join(f"{c.name} ({c.layers}) starts on shared layer {c.first_layer}" for c in receiving)
+        per_chunk = (_get(engine_config, OTC) or {}).get("num_layers_per_virtual_pipeline_stage")
+        setting = (
+            f"virtual_pipeline_model_parallel_size={layout.vpp}"
+            if _get(engine_config, "virtual_pipeline_model_parallel_size") is not None
+            else f"{OTC}.num_layers_per_virtual_pipeline_stage={per_chunk}"
+        )
+        problems.add(
+            f"{setting} ({layout.describe()}) on a model with {len(kinds) - full} shared DSA layers (indexer_types)",
+            f"{where}: a model chunk that starts on a shared layer needs the top-k of the chunk before it, and "
+            "verl-npu carries the top-k only between consecutive pipeline stages of a non-interleaved pipeline "
+            "(one model chunk per stage)",
+            alternative,
+        )
+        return
+    plan.notes.append(
+        f"IndexShare: {full} full / {len(kinds) - full} shared DSA indexers (shared layers reuse the most recent full "
+        "layer's top-k and have no indexer parameters)"
+        + (
+            f"; stages {', '.join(str(c.pp_rank) for c in receiving)} start on a shared layer and receive the "
+            "previous stage's top-k after its activations (int32 [b, s/CP, k] per micro-batch, pipeline group)"
+            if receiving
+            else ""
+        )
+    )
 
 
 def _dsa_context_parallel(plan: _Draft, problems: _Problems, otc: Mapping[str, Any], engine_config: Any) -> None:

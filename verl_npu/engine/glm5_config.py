@@ -65,14 +65,40 @@ def _router_fields(hf_config: Any) -> dict[str, Any]:
     return fields
 
 
-def glm5_config_fields(hf_config: Any) -> dict[str, Any]:
-    """TransformerConfig fields for a GlmMoeDsaConfig, beyond mbridge's common LLM mapping."""
-    indexer_types = getattr(hf_config, "indexer_types", None) or []
-    if any(kind != "full" for kind in indexer_types):
-        raise NotImplementedError(
-            f"GLM-5 bridge: indexer_types {sorted(set(indexer_types))}: 'shared' layers reuse the previous layer's "
-            "DSA top-k (and ship no indexer weights); megatron-core 0.18's DSA computes top-k in every layer"
+FULL, SHARED = "full", "shared"
+
+
+def indexer_types(hf_config: Any) -> tuple[str, ...]:
+    """Each layer's DSA indexer: "full" computes its top-k, "shared" reuses the most recent full layer's.
+
+    GLM-5.2 lists them per layer (``indexer_types``; IndexShare, arXiv 2603.12201): shared layers ship
+    no indexer weights. A config without the list (GLM-5) has a full indexer in every layer.
+    """
+    layers = hf_config.num_hidden_layers
+    kinds = getattr(hf_config, "indexer_types", None)
+    if kinds is None:
+        return (FULL,) * layers
+    kinds = tuple(kinds)
+    if len(kinds) != layers or set(kinds) - {FULL, SHARED}:
+        raise ValueError(
+            f"GLM-5 bridge: indexer_types must list 'full' or 'shared' for each of the {layers} layers, "
+            f"got {list(kinds)}"
         )
+    if kinds and kinds[0] == SHARED:
+        raise ValueError(
+            "GLM-5 bridge: indexer_types[0] is 'shared', but the first layer has no earlier layer's top-k to reuse "
+            "(and a shared layer ships no indexer weights)"
+        )
+    return kinds
+
+
+def glm5_config_fields(hf_config: Any) -> dict[str, Any]:
+    """TransformerConfig fields for a GlmMoeDsaConfig, beyond mbridge's common LLM mapping.
+
+    The per-layer indexer kinds (:func:`indexer_types`) are not a TransformerConfig field: the layer
+    specs carry them (verl_npu.engine.index_share).
+    """
+    indexer_types(hf_config)  # validated here so that a config the engine cannot build fails early
     rope_type, theta = rope_parameters(hf_config)
     if rope_type != "default":
         raise NotImplementedError(f"GLM-5 bridge: rope_type {rope_type!r}; only 'default' RoPE is mapped")

@@ -58,15 +58,29 @@ def transformer_config_from_hf(hf_config: Any, **overrides: Any):
     return MLATransformerConfig(**fields)
 
 
-def build_glm5_model(hf_config: Any, *, fused_rmsnorm: bool, vocab_size: int | None = None, **overrides: Any):
-    """A megatron GPTModel with GLM-5's layer structure, on the local spec."""
+def build_glm5_model(
+    hf_config: Any,
+    *,
+    fused_rmsnorm: bool,
+    vocab_size: int | None = None,
+    pre_process: bool = True,
+    post_process: bool = True,
+    **overrides: Any,
+):
+    """A megatron GPTModel with GLM-5's layer structure, on the local spec (one pipeline stage's part
+    of it with ``pre_process`` / ``post_process``, as megatron's model providers build them)."""
     from megatron.core.models.gpt import GPTModel
 
+    from verl_npu.engine.index_share import apply_to_glm5_block
+
     config = transformer_config_from_hf(hf_config, **overrides)
+    block = apply_to_glm5_block(local_decoder_block_spec(config, fused_rmsnorm=fused_rmsnorm), hf_config, config)
     return GPTModel(
         config=config,
-        transformer_layer_spec=local_decoder_block_spec(config, fused_rmsnorm=fused_rmsnorm),
+        transformer_layer_spec=block,
         vocab_size=vocab_size or hf_config.vocab_size,
         max_sequence_length=getattr(hf_config, "max_position_embeddings", 4096),
         position_embedding_type="none",
+        pre_process=pre_process,
+        post_process=post_process,
     )

@@ -41,7 +41,9 @@ def build_on_local_spec(bridge: Any, *, fused_rmsnorm: bool) -> None:
 
     def layer_spec(vp_stage: int | None = None):
         bridge.has_vp_stage = True  # read by LLMBridge's model provider (set by the method we replace)
-        return local_decoder_block_spec(bridge.config, fused_rmsnorm=bridge._verl_npu_local_spec, vp_stage=vp_stage)
+        block = local_decoder_block_spec(bridge.config, fused_rmsnorm=bridge._verl_npu_local_spec, vp_stage=vp_stage)
+        transform = getattr(bridge, "transform_block_spec", None)  # a bridge's own layer changes (GLM-5: IndexShare)
+        return transform(block, vp_stage) if transform is not None else block
 
     def name_to_hf(mcore_name: str) -> list[str]:
         try:

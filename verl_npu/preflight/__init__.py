@@ -22,6 +22,7 @@ from typing import Any
 from verl_npu.preflight.checks import FAIL, OK, WARN, Check, verdict
 
 GLM5_NAME = re.compile(r"glm-?5", re.IGNORECASE)
+GLM5_2_NAME = re.compile(r"glm-?5(?:[._-]?2)(?!\d)", re.IGNORECASE)  # GLM-5.2, glm5_2, GLM-5-2, glm52
 
 
 @dataclasses.dataclass
@@ -32,6 +33,7 @@ class PreflightReport:
     overrides: list[str]
     model: dict[str, Any] | None = None
     memory: Any = None  # verl_npu.preflight.memory.MemoryEstimate
+    model_origin: str | None = None  # FROM_MODEL_CONFIG, FROM_MODEL_PATH, FROM_BESIDE_SCRIPT or FROM_NAME
 
     @property
     def verdict(self) -> str:
@@ -45,6 +47,7 @@ class PreflightReport:
             "checks": [c.to_dict() for c in self.checks],
             "overrides": self.overrides,
             "model": self.model,
+            "model_origin": self.model_origin,
             "memory": self.memory.to_dict() if self.memory is not None else None,
         }
 
@@ -62,31 +65,61 @@ def _launch_checks(launch: Any) -> list[Check]:
     return checks
 
 
-def resolve_model(model_path: str | None, model_config: str | None) -> tuple[dict[str, Any] | None, Check]:
-    """The HF config (as a dict) from --model-config, else the launch's model path when it is on this machine.
+# where the model config came from (PreflightReport.model_origin)
+FROM_MODEL_CONFIG, FROM_MODEL_PATH, FROM_BESIDE_SCRIPT, FROM_NAME = (
+    "model-config",
+    "model-path",
+    "beside-script",
+    "name",
+)
+Resolved = tuple[dict[str, Any] | None, Check, str | None]  # (HF config dict, the "model" check, origin)
 
-    A GLM-5 path that is not here (the usual case on a laptop) falls back to transformers'
-    ``GlmMoeDsaConfig`` defaults, with a warning; any other missing model is an error.
+
+def resolve_model(model_path: str | None, model_config: str | None, beside_script: str | None = None) -> Resolved:
+    """The HF config (as a dict), the check saying where it came from, and that origin.
+
+    In order: --model-config; the launch's model path when it is on this machine; a ``config.json`` beside the
+    launch script (``beside_script``: an example ships its model's published architecture there, e.g.
+    examples/glm5_2/config.json); for a GLM-5 / GLM-5.2 path (the usual case on a laptop) transformers'
+    ``GlmMoeDsaConfig`` defaults, with GLM-5.2's published differences for a GLM-5.2 name, with a warning. Any
+    other missing model is an error.
     """
     from verl_npu.preflight.memory_plan import load_hf_config
 
+    def failed(message: str) -> Resolved:
+        return None, Check("config", "model", FAIL, message), None
+
     source = model_config or model_path
     if source is None:
-        return None, Check("config", "model", FAIL, "no model: set actor_rollout_ref.model.path or --model-config")
+        return failed("no model: set actor_rollout_ref.model.path or --model-config")
     try:
-        return load_hf_config(source), Check("config", "model", OK, f"model config from {source}")
+        origin = FROM_MODEL_CONFIG if model_config else FROM_MODEL_PATH
+        return load_hf_config(source), Check("config", "model", OK, f"model config from {source}"), origin
     except (ValueError, OSError) as exc:
-        if model_config is None and model_path and GLM5_NAME.search(Path(model_path).name):
-            return load_hf_config("glm5"), Check(
-                "config",
-                "model",
-                WARN,
-                f"{model_path} is not on this machine; using GLM-5's shape from transformers' GlmMoeDsaConfig "
-                "(pass --model-config PATH to check the real config.json)",
-            )
-        return None, Check(
-            "config", "model", FAIL, f"{exc}; pass --model-config with a config.json, a model directory or 'glm5'"
+        missing = exc
+    if model_config is None and beside_script is not None:
+        try:
+            hf = load_hf_config(beside_script)
+        except (ValueError, OSError) as exc:
+            return failed(f"{model_path}: {missing}; and {beside_script}: {exc}")
+        message = (
+            f"model config from {beside_script} (beside the launch script): {model_path} is not on this machine; "
+            "pass --model-config PATH to check another config.json"
         )
+        return hf, Check("config", "model", OK, message), FROM_BESIDE_SCRIPT
+    name = Path(model_path).name if model_path else ""
+    if model_config is None and GLM5_NAME.search(name):
+        glm52 = bool(GLM5_2_NAME.search(name))
+        what = (
+            "GLM-5.2's published architecture (transformers' GlmMoeDsaConfig defaults with GLM-5.2's indexer_types: "
+            "21 full / 57 shared DSA layers, RoPE theta 8e6, fp32 router)"
+            if glm52
+            else "GLM-5's shape from transformers' GlmMoeDsaConfig (every DSA layer full)"
+        )
+        message = f"{model_path} is not on this machine; using {what} (pass --model-config PATH to check the real "
+        message += "config.json)"
+        return load_hf_config("glm5.2" if glm52 else "glm5"), Check("config", "model", WARN, message), FROM_NAME
+    return failed(f"{missing}; pass --model-config with a config.json, a model directory, 'glm5' or 'glm5.2'")
 
 
 def run_preflight(
@@ -116,8 +149,10 @@ def run_preflight(
     report = PreflightReport(source, chip, _launch_checks(launch), list(launch.overrides))
     if launch.module is None:
         return report
+    beside = Path(script).parent / "config.json" if script is not None else None
+    beside_script = str(beside) if beside is not None and beside.is_file() else None
     # torch, transformers and verl load meanwhile, in a child process (unless the answer is cached)
-    worker = PreflightWorker(launch.config_name, list(launch.overrides), model_config, use_cache)
+    worker = PreflightWorker(launch.config_name, list(launch.overrides), model_config, use_cache, beside_script)
     try:
         config, checks = config_check.compose_config(launch.config_name, launch.overrides)
         report.checks += checks
@@ -129,12 +164,15 @@ def run_preflight(
         except OmegaConfBaseException as exc:
             report.checks.append(Check("config", "interpolation", FAIL, f"a value does not resolve: {exc}"))
             return report
-        report.checks += config_check.rollout_environment_checks(resolved, {**dict(env or {}), **launch.env})
+        launch_env = {**dict(env or {}), **launch.env}
+        report.checks += config_check.rollout_environment_checks(resolved, launch_env)
         model_path = resolved["actor_rollout_ref"]["model"].get("path")
-        hf, model_check, verl_checks = worker.ask(config, model_path, model_config)
+        hf, model_check, verl_checks, report.model_origin = worker.ask(config, model_path, model_config)
         report.checks[position:position] = verl_checks
         report.checks.append(model_check)
         if hf is not None:
+            stand_in = report.model_origin in (FROM_BESIDE_SCRIPT, FROM_NAME)
+            report.checks += config_check.rollout_model_checks(resolved, hf, launch_env, platform, model_path, stand_in)
             _engine_mesh_memory(report, resolved, hf, platform, chip, host_memory_gib)
         return report
     finally:

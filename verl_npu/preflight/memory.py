@@ -28,7 +28,11 @@ Assumptions (each one a reading of megatron-core 0.18 / verl 0.9.1 / verl_npu, o
     core attention with DSAttention, which on verl-npu never holds an [s, s] buffer:
     ``dsa_kernel="fused"`` (MindSpeed's operators) saves softmax statistics, ``"chunked"`` (the
     dsa-* runtime patches over verl_npu.ops) one query chunk's working set at a time (budgets in
-    verl_npu.ops.chunking); both save the O(s * index_topk) indices. MoE: balanced
+    verl_npu.ops.chunking); both save the O(s * index_topk) indices. GLM-5.2's shared DSA layers
+    (IndexShare) have no indexer: indexer parameters, the indexer's activations and the top-k
+    indices are counted on full layers only (a shared layer attends over the saved top-k of the
+    most recent full layer). The top-k is int64 [b, s/cp, k] with k = min(index_topk, seq): CP
+    splits the queries, and with TP + SP DSA runs on the gathered sequence. MoE: balanced
     routing, s*b*topk*etp/sp token copies per rank's experts. Sequence parallel divides what norms
     and linears save by TP; CP divides s. bench/memory_estimate.py checks all this against
     megatron-core on a GPU (bench/results/memory_estimate_h200.json).
@@ -37,6 +41,16 @@ Assumptions (each one a reading of megatron-core 0.18 / verl 0.9.1 / verl_npu, o
     entropy's fp32 softmax [s, b, vocab/tp] and, at the loss, the bf16 logits. Full recompute keeps
     one input per checkpointed chunk and re-materialises one chunk at a time in backward; selective
     recompute (core_attn) drops the attention scores.
+  * The IndexShare carry (verl_npu.engine.index_share), on glm_moe_dsa models: a stage whose next
+    stage starts on a shared layer sends, per micro-batch after the activations, a 3-element int64
+    header and the top-k as int32 [b, s/cp, k] on the pipeline group ("communication"). On the
+    device ("carry", its own component): with full recompute, a checkpointed chunk whose first DSA
+    layer is shared keeps the carry's latest top-k (int64) from its start until its backward; a
+    chunk starting on a full layer keeps none. Without checkpointing the full layers' top-k are
+    saved activations already, and only the received top-k (saved by the stage's leading shared
+    layers for their backward) is extra. GLM-5 (no shared layers) keeps none. Forward-only
+    (log-prob) passes keep none. Interleaved (VPP) layouts carry nothing (the build plan refuses
+    those that would need a carry).
   * Phases (verl colocates the actor with the rollout engine): "train" = weights + grads + optimizer
     + activations + workspace + overhead, all resident (verl onloads everything for the update);
     "rollout" = what stays on the device while the actor is offloaded (param_offload moves the bf16
@@ -199,6 +213,33 @@ class Offload:
 
 
 @dataclasses.dataclass(frozen=True)
+class IndexShareStage:
+    """A pipeline stage's DSA layers under IndexShare and what the top-k carry costs it (one device)."""
+
+    full_layers: tuple[int, ...]  # global layer numbers (0-based) with their own indexer
+    shared_layers: tuple[int, ...]  # reusing the most recent full layer's top-k
+    receives: bool  # starts on a shared layer: the previous stage's top-k comes with the activations
+    sends: bool  # the next stage starts on a shared layer
+    topk_bytes: int  # one int64 top-k [b, s/cp, k] of one micro-batch
+    carry_bytes_per_microbatch: int  # device memory the carry adds per in-flight micro-batch
+    carry_bytes: int  # ... for all micro-batches in flight (the "carry" component)
+    send_bytes_per_microbatch: int  # to the next stage: 3 x int64 header + int32 top-k (0 when it sends none)
+    receive_bytes_per_microbatch: int  # from the previous stage, likewise
+
+    def layout(self, stage: int) -> str:
+        """E.g. "stage 1: layers 9-18, full 10, 14, 18; starts shared (carry from stage 0)"."""
+        layers = sorted(self.full_layers + self.shared_layers)
+        span = f"layers {layers[0]}-{layers[-1]}" if len(layers) > 1 else f"layer {layers[0]}" if layers else "none"
+        full = "all full" if not self.shared_layers else f"full {', '.join(map(str, self.full_layers)) or 'none'}"
+        text = f"stage {stage}: {span}, {full}"
+        if self.receives:
+            text += f"; starts shared (carry from stage {stage - 1})"
+        if self.sends:
+            text += f"; sends its top-k to stage {stage + 1}"
+        return text
+
+
+@dataclasses.dataclass(frozen=True)
 class StageEstimate:
     stage: int
     layers: int
@@ -208,6 +249,7 @@ class StageEstimate:
     floor: dict[str, int]  # bytes left on the device while the actor is offloaded
     host_bytes: int  # host RAM the offload arenas take for one device of this stage, on the estimate's platform
     details: dict[str, str]
+    index_share: IndexShareStage | None = None  # glm_moe_dsa models (IndexShare layers); None otherwise
 
     @property
     def train_bytes(self) -> int:
@@ -260,21 +302,23 @@ class MemoryEstimate:
             "fits": self.fits,
             "stages": [
                 {**dataclasses.asdict(s), "train_bytes": s.train_bytes, "floor_bytes": s.floor_bytes,
-                 "headroom": self.headroom(s)}
+                 "headroom": self.headroom(s),
+                 "dsa_layout": s.index_share.layout(s.stage) if s.index_share else None}
                 for s in self.stages
             ],
         }  # fmt: skip
 
     def summary(self) -> str:
         gib = lambda n: f"{n / GiB:7.2f}"  # noqa: E731
-        lines = ["stage layers  weights   grads   optim    acts  wkspace overhead |  train   floor  GiB"]
+        lines = ["stage layers  weights   grads   optim    acts   carry  wkspace overhead |  train   floor  GiB"]
         for s in self.stages:
             t = s.train
             lines.append(
                 f"{s.stage:5} {s.layers:6} {gib(t['weights'])} {gib(t['grads'])} {gib(t['optimizer'])} "
-                f"{gib(t['activations'])} {gib(t['workspace'])} {gib(t['overhead'])} | "
+                f"{gib(t['activations'])} {gib(t['carry'])} {gib(t['workspace'])} {gib(t['overhead'])} | "
                 f"{gib(s.train_bytes)} {gib(s.floor_bytes)}"
             )
+        lines += [s.index_share.layout(s.stage) for s in self.stages if s.index_share and s.index_share.shared_layers]
         lines.append(f"host RAM, worst node {self.worst_node} (stages {list(self.worst_node_stages)}): "
                      f"{self.host_bytes_per_node / GiB:.1f} GiB; fits: {self.fits}")  # fmt: skip
         return "\n".join(lines)
@@ -289,12 +333,19 @@ class _Sizes:
     sp: int  # t with sequence parallel, else 1
     etp: int
     down: int = 1  # TP split of the MLA down projections' outputs (1: duplicated)
+    seq: int = 0  # tokens of one whole sequence (the keys a DSA query chooses from); 0: s
+
+    @property
+    def keys(self) -> int:
+        """Keys a DSA query chooses its top-k from: the whole sequence (k = min(index_topk, keys))."""
+        return self.seq or self.s
 
 
-def _attention(m: ModelShape, z: _Sizes, act: Activations) -> tuple[float, float, float]:
+def _attention(m: ModelShape, z: _Sizes, act: Activations, indexer: bool = True) -> tuple[float, float, float]:
     """(saved, transient, persistent workspace) bytes of one attention block, one micro-batch.
 
     The transient is the most the block holds above what it saves, in its forward or its backward.
+    ``indexer=False``: a shared DSA layer (IndexShare), without an indexer and with no top-k of its own.
     """
     s, b, t, sp, h = z.s, z.b, z.t, z.sp, m.hidden_size
     tokens, a, unfused = s * b, m.num_attention_heads / t, act.attention_kernel == "unfused"
@@ -305,10 +356,10 @@ def _attention(m: ModelShape, z: _Sizes, act: Activations) -> tuple[float, float
         saved += (2 * 2 * ql + 4) * tokens / down  # q norm (input, rstd) + q up projection input
         saved += (2 * (kvl + rope) + 2 * kvl + 4) * tokens / down  # kv down output (norm input) + kv up input
         saved += 2 * a * (qk + qk + v) * tokens  # q, k (RoPE'd), v
-        if m.dsa:
+        if m.dsa and indexer:
             n, di = m.index_n_heads, m.index_head_dim
             saved += (2 * n * di + 2 * 2 * di + 4 + 2 * n) * tokens  # indexer q, k (+ LayerNorm), head weights
-            saved += 8 * b * s * min(m.index_topk, s)  # top-k indices (int64)
+            saved += 8 * b * s * min(m.index_topk, z.keys)  # top-k indices (int64)
         transient = 0.0
     else:
         d, g = m.head_dim, m.num_query_groups / t
@@ -326,7 +377,7 @@ def _attention(m: ModelShape, z: _Sizes, act: Activations) -> tuple[float, float
     v_dim = m.v_head_dim if m.mla else m.head_dim
     saved += 2 * a * v_dim * tokens  # attention output (output projection input)
     if m.dsa:
-        return _dsa_core_attention(m, z, act, a, saved, transient)
+        return _dsa_core_attention(m, z, act, a, saved, transient, indexer)
     scores = b * a * s * s
     if not unfused:
         return saved + 64 * a * tokens, transient, 0  # + softmax max / sum ([b, n, s, 8] fp32 each on Ascend)
@@ -340,7 +391,9 @@ def _attention(m: ModelShape, z: _Sizes, act: Activations) -> tuple[float, float
     return saved + probs, max(transient + 6 * scores, backward - probs), 2 * scores
 
 
-def _dsa_core_attention(m: ModelShape, z: _Sizes, act: Activations, a: float, saved: float, transient: float):
+def _dsa_core_attention(
+    m: ModelShape, z: _Sizes, act: Activations, a: float, saved: float, transient: float, indexer: bool = True
+):
     """DSAttention in place of DotProductAttention: no [s, s] buffer on either verl-npu path.
 
     Fused (MindSpeed's operators): softmax statistics besides what the block saves. Chunked
@@ -356,7 +409,7 @@ def _dsa_core_attention(m: ModelShape, z: _Sizes, act: Activations, a: float, sa
     if act.dsa_kernel == "fused":
         return saved + 64 * a * s * b, transient, 0
     attention_chunk = 4 * 4 * min(DSA_ATTENTION_CHUNK_ELEMENTS, b * a * s * s)
-    indexer_chunk = 2 * 4 * min(DSA_INDEXER_CHUNK_ELEMENTS, b * m.index_n_heads * s * s)
+    indexer_chunk = 2 * 4 * min(DSA_INDEXER_CHUNK_ELEMENTS, b * m.index_n_heads * s * s) if indexer else 0
     return saved, max(transient, attention_chunk, indexer_chunk), 0
 
 
@@ -375,38 +428,54 @@ def _mlp(m: ModelShape, z: _Sizes, moe: bool) -> float:
     return saved + ffn * m.shared_expert_ffn_hidden_size / t * tokens
 
 
+def _sizes(p: Parallelism, act: Activations) -> _Sizes:
+    return _Sizes(
+        s=act.seq_len // p.cp, b=act.micro_batch_size, t=p.tp, sp=p.tp if p.sequence_parallel else 1, etp=p.etp,
+        down=1 if p.mla_down_proj_duplicated else p.tp, seq=act.seq_len,
+    )  # fmt: skip
+
+
+def _in_flight(p: Parallelism, act: Activations, stage: int) -> int:
+    """Micro-batches whose activations stage ``stage`` holds at once under 1F1B."""
+    return min(p.pp - stage, act.num_microbatches or p.pp)
+
+
 def _activation_bytes(m, p: Parallelism, act: Activations, stage: int, layers: list[int]) -> tuple[int, int, str]:
     """(peak activation bytes, persistent workspace bytes, details) of one pipeline stage."""
-    z = _Sizes(
-        s=act.seq_len // p.cp, b=act.micro_batch_size, t=p.tp, sp=p.tp if p.sequence_parallel else 1, etp=p.etp,
-        down=1 if p.mla_down_proj_duplicated else p.tp,
-    )  # fmt: skip
+    z = _sizes(p, act)
     tokens, h = z.s * z.b, m.hidden_size
-    attn, transient, workspace = _attention(m, z, act) if layers else (0, 0, 0)
+    # each layer's attention: with or without its own DSA indexer (IndexShare's shared layers have none)
+    kinds = [not m.dsa or m.full_indexer(i) for i in layers]
+    blocks = {kind: _attention(m, z, act, indexer=kind) for kind in set(kinds)}
+    attn = [blocks[kind][0] for kind in kinds]
+    transient = max((blocks[kind][1] for kind in blocks), default=0)
+    workspace = max((blocks[kind][2] for kind in blocks), default=0)
     masks = 2 * h / z.sp * tokens if act.hidden_dropout > 0 else 0  # bias-dropout-add masks (bool), two a layer
-    full = [attn + masks + _mlp(m, z, bool(m.is_moe) and m.is_moe[i]) for i in layers]
+    full = [a + masks + _mlp(m, z, bool(m.is_moe) and m.is_moe[i]) for a, i in zip(attn, layers, strict=True)]
     last = stage == p.pp - 1
     head = ((2 * h + 4 + 2 * h) / z.sp + 4 * m.vocab_size / z.t) * tokens if last else 0  # norm, fp32 softmax
     logits = 2 * m.vocab_size / z.t * tokens if last else 0  # bf16 logits, alive next to the fp32 copy
     # the current micro-batch: peaks at its last attention forward, at the loss, or re-materialising a chunk
     n = act.recompute_num_layers or 1
+    every = list(range(len(layers)))
     if act.recompute_granularity == "full" and act.recompute_method == "block":
         kept = n * 2 * h / z.sp * tokens + sum(full[n:])
-        chunks = [[x] for x in full[:n]]
+        chunks = [[i] for i in every[:n]]
     elif act.recompute_granularity == "full":
-        chunks = [full[i : i + n] for i in range(0, len(full), n)]
+        chunks = [every[i : i + n] for i in range(0, len(every), n)]
         kept = len(chunks) * 2 * h / z.sp * tokens
     else:
-        kept, chunks = sum(full), [full]
+        kept, chunks = sum(full), [every]
     # a chunk being (re)computed holds its layers' activations up to its last attention, plus that one's transient
-    forward = max((sum(c) - c[-1] + attn + transient for c in chunks if c), default=0)
+    forward = max((sum(full[i] for i in c[:-1]) + attn[c[-1]] + transient for c in chunks if c), default=0)
     if act.recompute_granularity == "full":  # backward re-materialises a whole chunk next to the checkpoints
         grads = 2 * 2 * h / z.sp * tokens  # the chunk's output gradient and its input gradient
-        current = max(kept + head + logits, kept + max(forward, max(map(sum, chunks), default=0) + grads))
+        rematerialised = max((sum(full[i] for i in c) for c in chunks), default=0)
+        current = max(kept + head + logits, kept + max(forward, rematerialised + grads))
     else:
         current = max(kept + head + logits, forward)
     saved = kept + head
-    inflight = min(p.pp - stage, act.num_microbatches or p.pp)
+    inflight = _in_flight(p, act, stage)
     factor = 1 + (p.pp - 1) / (p.pp * p.vpp) if p.vpp and p.vpp > 1 else 1
     peak = ((inflight - 1) * saved + current) * factor
     details = (
@@ -414,6 +483,65 @@ def _activation_bytes(m, p: Parallelism, act: Activations, stage: int, layers: l
         f" current one's peak" + (f", x {factor:.3f} (interleaved)" if factor != 1 else "")
     )
     return int(peak), int(workspace), details
+
+
+def _held_top_k(full: list[bool], receives: bool, act: Activations) -> int:
+    """How many top-k tensors a stage keeps per in-flight micro-batch beyond its activations.
+
+    A checkpointed chunk whose first DSA layer is shared keeps the carry's latest top-k until its
+    backward (``index_share.recompute_safe``; a chunk starting on a full layer publishes its own
+    first); layers run without checkpointing save their top-k with autograd, which the activations
+    count for full layers' own top-k but not for the one received from the previous stage.
+    """
+    n, layers = act.recompute_num_layers or 1, range(len(full))
+    if act.recompute_granularity != "full":
+        checkpointed: list[list[int]] = []
+    elif act.recompute_method == "block":
+        checkpointed = [[i] for i in layers[:n]]
+    else:
+        checkpointed = [list(layers[i : i + n]) for i in range(0, len(full), n)]
+    chunk_of = {i: c for c in checkpointed for i in c}
+    held, latest = set(), "received" if receives else None
+    for i in layers:
+        chunk = chunk_of.get(i)
+        if not full[i] and latest is not None:
+            if chunk is None and latest == "received":
+                held.add(latest)  # saved by autograd, and not one of this stage's activations
+            elif chunk is not None and i == chunk[0]:
+                held.add(latest)  # the chunk reads the carry before any full layer of its own
+        if full[i]:
+            latest = i
+    return len(held)
+
+
+def _index_share(
+    m: ModelShape, p: Parallelism, act: Activations, stage: int, layers: list[int], counts: list[int]
+) -> IndexShareStage | None:
+    """The stage's full / shared DSA layers and the top-k carry's memory and traffic (see the module docstring)."""
+    if not (m.dsa and m.index_share):
+        return None
+    from verl_npu.engine.index_share import stage_plans
+
+    plan = stage_plans(m.indexer_kinds(), counts)[stage]
+    interleaved = bool(p.vpp and p.vpp > 1)  # no carry: the build plan refuses VPP chunks that start shared
+    receives, sends = plan.receives and not interleaved, plan.sends and not interleaved
+    z = _sizes(p, act)
+    k = min(m.index_topk, z.keys)
+    topk = 8 * z.b * z.s * k  # int64
+    full = tuple(i for i in layers if m.full_indexer(i))
+    per_microbatch = _held_top_k([m.full_indexer(i) for i in layers], receives, act) * topk
+    message = 3 * 8 + 4 * z.b * z.s * k  # int64 header + int32 top-k
+    return IndexShareStage(
+        full_layers=full,
+        shared_layers=tuple(i for i in layers if not m.full_indexer(i)),
+        receives=receives,
+        sends=sends,
+        topk_bytes=topk,
+        carry_bytes_per_microbatch=per_microbatch,
+        carry_bytes=per_microbatch * _in_flight(p, act, stage),
+        send_bytes_per_microbatch=message if sends else 0,
+        receive_bytes_per_microbatch=message if receives else 0,
+    )
 
 
 # --- the estimate --------------------------------------------------------------------------------
@@ -471,11 +599,13 @@ def estimate(
         opt_bytes = sum(nb for _, nb in optim.values())
         optimizer = int(dense * opt_bytes / dense_shard + expert * opt_bytes / expert_shard)
         acts, workspace, act_details = _activation_bytes(shape, p, act, stage, layers)
+        share = _index_share(shape, p, act, stage, layers, counts)
         train = {
             "weights": params * w_bytes,
             "grads": params * g_bytes,
             "optimizer": optimizer,
             "activations": acts,
+            "carry": share.carry_bytes if share else 0,
             "workspace": workspace,
             "overhead": overhead_bytes,
         }
@@ -484,6 +614,7 @@ def estimate(
             "grads": 0 if off.param_offload else train["grads"],
             "optimizer": 0 if off.optimizer_offload else optimizer,
             "activations": 0,
+            "carry": 0,
             "workspace": workspace,
             "overhead": overhead_bytes,
         }
@@ -499,12 +630,13 @@ def estimate(
             "grads": f"DDP grad buffer in {prec.grad_dtype}" + (", released while offloaded" * off.param_offload),
             "optimizer": ", ".join(f"{k} {dt}" for k, (dt, _) in optim.items()) + f"; {shard}",
             "activations": act_details,
+            "carry": _carry_details(share, act),
             "workspace": "unfused attention's global memory buffer" if workspace else "none",
             "overhead": "assumed: communication buffers, workspaces, fragmentation",
             "host": f"{len(arenas)} offload arena(s), {default_strategy(platform)} on {platform}" if arenas else "none",
         }
         moe_layers = sum(1 for i in layers if shape.is_moe and shape.is_moe[i])
-        stages.append(StageEstimate(stage, n, moe_layers, params, train, floor, host, details))
+        stages.append(StageEstimate(stage, n, moe_layers, params, train, floor, host, details, share))
     per_node = [sum(stages[p.stage_of_rank(r)].host_bytes for r in ranks) for ranks in p.node_ranks()]
     worst = max(range(len(per_node)), key=per_node.__getitem__)
     reserved = int((rollout_gpu_memory_utilization or 0) * (capacity_bytes or 0))
@@ -518,3 +650,21 @@ def estimate(
         host_capacity_bytes=host_capacity_bytes,
         platform=platform,
     )
+
+
+def _carry_details(share: IndexShareStage | None, act: Activations) -> str:
+    if share is None:
+        return "none (no IndexShare layers)"
+    mib = lambda n: f"{n / 2**20:.1f} MiB"  # noqa: E731
+    kept = share.carry_bytes_per_microbatch // share.topk_bytes if share.topk_bytes else 0
+    why = (
+        "checkpointed chunks starting on a shared layer keep the latest top-k until their backward"
+        if act.recompute_granularity == "full"
+        else "the received top-k, saved by the leading shared layers"
+    )
+    text = f"{kept} int64 top-k of {mib(share.topk_bytes)} per in-flight micro-batch ({why})" if kept else "none kept"
+    if share.receives:
+        text += f"; receives {mib(share.receive_bytes_per_microbatch)} per micro-batch"
+    if share.sends:
+        text += f"; sends {mib(share.send_bytes_per_microbatch)} per micro-batch"
+    return text

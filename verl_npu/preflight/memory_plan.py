@@ -31,7 +31,7 @@ def model_shape(hf: Mapping[str, Any]) -> ModelShape:
 
 
 def describe_model(shape: ModelShape) -> dict[str, Any]:
-    return {
+    described = {
         "model_type": shape.model_type,
         "layers": shape.num_layers,
         "hidden_size": shape.hidden_size,
@@ -39,6 +39,13 @@ def describe_model(shape: ModelShape) -> dict[str, Any]:
         "total_params": shape.total_params(),
         "active_params": shape.active_params(),
     }
+    if shape.dsa:
+        kinds = shape.indexer_kinds()
+        described["dsa_indexers"] = {
+            "full": [i for i, kind in enumerate(kinds) if kind == "full"],
+            "shared": [i for i, kind in enumerate(kinds) if kind == "shared"],
+        }
+    return described
 
 
 def _dtype(value: Any, default: str) -> str:

@@ -113,6 +113,9 @@ def check_train_mesh(mesh: TrainMesh, num_layers: int, num_experts: int) -> list
             fail("pp-layers", f"{split} do not split evenly; change PP or the first/last-stage layer counts")
         elif mesh.vpp and (rest // max(middle, 1)) % mesh.vpp:
             fail("vpp-layers", f"{rest // middle} layers per stage do not divide into VPP {mesh.vpp} chunks")
+        elif mesh.vpp and (odd := [(n, w) for n, w in ((first, "first"), (last, "last")) if n and n % mesh.vpp]):
+            ends = " and ".join(f"{n} layers on the {w} stage" for n, w in odd)
+            fail("vpp-layers", f"{ends} do not divide into VPP {mesh.vpp} chunks (megatron-core refuses them)")
     if not fails:
         stages = mesh.stage_layers(num_layers) if mesh.world % model_parallel == 0 else []
         return [

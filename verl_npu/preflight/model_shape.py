@@ -1,8 +1,9 @@
 """The shape of a decoder-only model, read from its Hugging Face config, and its parameter counts.
 
 ``ModelShape.from_hf`` takes a transformers ``PretrainedConfig``, a dict, a path (a model directory
-or its ``config.json``), a model id (resolved offline only: ``local_files_only=True``) or ``"glm5"``
-(transformers' ``GlmMoeDsaConfig()`` defaults). Known families (llama, qwen2, qwen3, qwen3_moe,
+or its ``config.json``), a model id (resolved offline only: ``local_files_only=True``), ``"glm5"``
+(transformers' ``GlmMoeDsaConfig()`` defaults) or ``"glm5.2"`` (those defaults with GLM-5.2's published
+differences, :data:`GLM5_2_DIFFERENCES`). Known families (llama, qwen2, qwen3, qwen3_moe,
 deepseek_v3, glm_moe_dsa) get transformers' own defaults for keys the dict leaves out; any other
 ``model_type`` must spell out every required key and gets a ValueError naming the first one missing.
 
@@ -11,16 +12,38 @@ in tests_npu/test_preflight_memory.py), split the way megatron shards them: ``tp
 parallel ranks), ``replicated`` (norms, router, DSA indexer, and MLA down projections, which TE builds
 ``duplicated``) and ``expert`` (all routed experts of the layer; megatron splits them over EP x ETP).
 Multi-token-prediction layers are not modelled (transformers does not instantiate them either).
+GLM-5.2's "shared" DSA layers (``indexer_types``, IndexShare) have no indexer: counted as the
+published checkpoint and verl-npu's engine hold them, not as transformers 5.10.4 builds them (it
+instantiates an unused indexer on every layer).
 """
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import json
 from pathlib import Path
 from typing import Any
 
 KNOWN_TYPES = ("llama", "qwen2", "qwen3", "qwen3_moe", "deepseek_v3", "glm_moe_dsa")
+GLM5_NAMES, GLM5_2_NAMES = ("glm5", "glm-5"), ("glm5.2", "glm-5.2")
+# GLM-5.2's published config.json (model_type glm_moe_dsa) against transformers' GlmMoeDsaConfig defaults, which
+# are GLM-5's (shared/reference.md section 5); examples/glm5_2/config.json is that config.
+GLM5_2_DIFFERENCES: dict[str, Any] = dict(
+    indexer_types=["full" if i < 3 or (i - 2) % 4 == 0 else "shared" for i in range(78)],  # 21 full, 57 shared
+    index_topk_freq=4,
+    index_skip_topk_offset=3,
+    index_share_for_mtp_iteration=True,
+    rope_parameters={"rope_type": "default", "rope_theta": 8000000.0},
+    max_position_embeddings=1048576,
+    moe_router_dtype="float32",
+    rope_interleave=True,
+    indexer_rope_interleave=True,
+    num_nextn_predict_layers=1,
+    routed_scaling_factor=2.5,
+    scoring_func="sigmoid",
+    topk_method="noaux_tc",
+)
 _REQUIRED = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size")
 
 
@@ -29,7 +52,7 @@ class LayerParams:
     """Parameters of one decoder layer, by how megatron shards them."""
 
     tp: int  # matmul weights split over the tensor-parallel group
-    replicated: int  # norms, router, DSA indexer, MLA down projections (TE builds them duplicated)
+    replicated: int  # norms, router, DSA indexer (full layers only), MLA down projections (TE builds them duplicated)
     expert: int  # all routed experts of the layer
 
     @property
@@ -69,6 +92,11 @@ class ModelShape:
     index_n_heads: int = 0
     index_head_dim: int = 0
     index_topk: int = 0
+    # per layer: True where the DSA indexer computes its top-k ("full"), False where the layer reuses the most
+    # recent full layer's ("shared": no indexer); empty = every layer full (GLM-5, DeepSeek-V3.2)
+    indexer_full: tuple[bool, ...] = ()
+    # the engine runs the layers through IndexShare (verl_npu.engine.index_share): every glm_moe_dsa model
+    index_share: bool = False
 
     @property
     def mla(self) -> bool:
@@ -78,9 +106,31 @@ class ModelShape:
     def dsa(self) -> bool:
         return self.index_topk > 0
 
+    def full_indexer(self, layer: int) -> bool:
+        """Whether DSA layer ``layer`` (0-based) has its own indexer (False: it reuses an earlier layer's top-k)."""
+        return not self.indexer_full or self.indexer_full[layer]
+
+    def indexer_kinds(self) -> tuple[str, ...]:
+        """ "full" / "shared" per layer, as GLM-5.2's ``indexer_types`` lists them (all "full" without the list)."""
+        return tuple("full" if self.full_indexer(i) else "shared" for i in range(self.num_layers))
+
+    @property
+    def shared_layers(self) -> int:
+        return self.indexer_full.count(False)
+
+    def indexer_params(self) -> int:
+        """Parameters of one DSA indexer: wq_b, wk, k_norm (weight and bias) and the head-weights projection."""
+        if not self.dsa:
+            return 0
+        h, n, d = self.hidden_size, self.index_n_heads, self.index_head_dim
+        return (self.q_lora_rank or h) * n * d + h * d + 2 * d + h * n
+
     # --- parameter counts -----------------------------------------------------------------------
-    def attention_params(self) -> tuple[int, int]:
-        """(tp-sharded, replicated) parameters of one attention block, its input norm included."""
+    def attention_params(self, indexer: bool = True) -> tuple[int, int]:
+        """(tp-sharded, replicated) parameters of one attention block, its input norm included.
+
+        ``indexer=False``: a shared DSA layer's, which has no indexer of its own.
+        """
         h, a = self.hidden_size, self.num_attention_heads
         replicated = h  # input norm
         if not self.mla:
@@ -99,9 +149,8 @@ class ModelShape:
         kv = self.kv_lora_rank
         replicated += (h + bias) * (kv + self.qk_rope_head_dim) + kv  # kv down proj (+bias) + kv norm
         tp += kv * a * (self.qk_nope_head_dim + self.v_head_dim) + a * self.v_head_dim * h + h * bias
-        if self.dsa:
-            n, d = self.index_n_heads, self.index_head_dim
-            replicated += (self.q_lora_rank or h) * n * d + h * d + 2 * d + h * n  # wq_b, wk, k_norm, weights
+        if indexer:
+            replicated += self.indexer_params()  # wq_b, wk, k_norm, weights
         return tp, replicated
 
     def _mlp(self, ffn: int) -> int:
@@ -110,7 +159,7 @@ class ModelShape:
 
     def layer_params(self, layer: int) -> LayerParams:
         """Parameters of decoder layer ``layer`` (0-based), both norms included."""
-        tp, replicated = self.attention_params()
+        tp, replicated = self.attention_params(indexer=self.full_indexer(layer))
         replicated += self.hidden_size  # pre-MLP norm
         if self.is_moe and self.is_moe[layer]:
             replicated += self.num_experts * self.hidden_size  # router
@@ -202,7 +251,17 @@ class ModelShape:
                     index_n_heads=cfg["index_n_heads"],
                     index_head_dim=cfg["index_head_dim"],
                     index_topk=cfg["index_topk"],
+                    index_share=model_type == "glm_moe_dsa",
                 )
+                kinds = cfg.get("indexer_types")
+                if kinds is not None:
+                    if len(kinds) != layers or set(kinds) - {"full", "shared"}:
+                        raise ValueError(
+                            f"model config ({model_type}): indexer_types must list 'full' or 'shared' for each of "
+                            f"the {layers} layers"
+                        )
+                    if "shared" in kinds:
+                        fields["indexer_full"] = tuple(kind == "full" for kind in kinds)
         return cls(**fields)
 
 
@@ -220,16 +279,18 @@ def _moe_layers(model_type: str, cfg: dict[str, Any], layers: int) -> list[bool]
 
 
 def load_config(config: Any) -> dict[str, Any]:
-    """The HF config as a dict: a PretrainedConfig, a dict, a path or model dir, an offline model id, or "glm5"."""
+    """The HF config as a dict: a PretrainedConfig, a dict, a path or model dir, an offline model id, "glm5" or
+    "glm5.2"."""
     if isinstance(config, dict):
         return _with_family_defaults(config)
     if hasattr(config, "to_dict"):  # a transformers PretrainedConfig: defaults already applied
         return config.to_dict()
     name = str(config)
-    if name.lower() in ("glm5", "glm-5"):
+    if name.lower() in GLM5_NAMES + GLM5_2_NAMES:
         from transformers import GlmMoeDsaConfig
 
-        return GlmMoeDsaConfig().to_dict()
+        differences = copy.deepcopy(GLM5_2_DIFFERENCES) if name.lower() in GLM5_2_NAMES else {}
+        return GlmMoeDsaConfig(**differences).to_dict()
     path = Path(name).expanduser()
     if path.is_dir():
         path = path / "config.json"

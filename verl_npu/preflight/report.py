@@ -6,6 +6,7 @@ import json
 from pathlib import Path
 
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from verl_npu.preflight import PreflightReport
@@ -13,7 +14,7 @@ from verl_npu.preflight.checks import FAIL, OK, WARN
 from verl_npu.preflight.memory import GiB
 
 _STATUS = {OK: "[green]ok[/]", WARN: "[yellow]warn[/]", FAIL: "[bold red]FAIL[/]"}
-COMPONENTS = ("weights", "grads", "optimizer", "activations", "workspace", "overhead")
+COMPONENTS = ("weights", "grads", "optimizer", "activations", "carry", "workspace", "overhead")
 
 
 def checks_table(report: PreflightReport) -> Table:
@@ -23,7 +24,7 @@ def checks_table(report: PreflightReport) -> Table:
     table.add_column("status")
     table.add_column("detail", overflow="fold")
     for check in report.checks:
-        table.add_row(check.area, check.name, _STATUS[check.status], check.message)
+        table.add_row(check.area, check.name, _STATUS[check.status], escape(check.message))  # e.g. "[b, s, k]"
     return table
 
 
@@ -33,8 +34,10 @@ def memory_table(report: PreflightReport) -> Table | None:
         return None
     gib = lambda b: f"{b / GiB:.1f}"  # noqa: E731
     table = Table(title=f"HBM per device (GiB of {gib(memory.capacity_bytes)}) by pipeline stage")
-    for column in ("stage", "layers", *COMPONENTS, "train peak", "rollout phase", "host / device"):
-        table.add_column(column, justify="right")
+    share = any(stage.index_share is not None for stage in memory.stages)
+    columns = ("stage", "layers", *(("full / shared",) if share else ()), *COMPONENTS)
+    for column in (*columns, "train peak", "rollout phase", "host / device"):
+        table.add_column(column, justify="right", overflow="fold")
     for stage in memory.stages:
         rollout = memory.rollout_bytes(stage) if memory.rollout_reserved_bytes else None
         room = memory.headroom(stage)
@@ -45,7 +48,8 @@ def memory_table(report: PreflightReport) -> Table | None:
         table.add_row(
             str(stage.stage),
             str(stage.layers),
-            *(gib(stage.train[c]) for c in COMPONENTS),
+            *((_indexers(stage.index_share),) if share else ()),
+            *(gib(stage.train.get(c, 0)) for c in COMPONENTS),
             peak,
             roll,
             gib(stage.host_bytes),
@@ -55,7 +59,31 @@ def memory_table(report: PreflightReport) -> Table | None:
     if memory.host_capacity_bytes:
         host += f" of {gib(memory.host_capacity_bytes)} GiB"
     table.caption = host + f"; rollout phase = offload floor + vLLM's {gib(memory.rollout_reserved_bytes)} GiB"
+    if share:
+        table.caption += "; " + _carry_caption(memory.stages)
     return table
+
+
+def _indexers(layout) -> str:
+    """DSA layers with their own indexer / sharing one; "<" marks a stage that receives the top-k carry."""
+    if layout is None:
+        return "-"
+    return ("< " if layout.receives else "") + f"{len(layout.full_layers)}/{len(layout.shared_layers)}"
+
+
+def _carry_caption(stages) -> str:
+    """What the IndexShare columns mean, and the carry's traffic per micro-batch at each stage boundary."""
+    mib = lambda n: f"{n / 2**20:.1f} MiB"  # noqa: E731
+    text = "IndexShare: full/shared DSA layers (< = receives the top-k carry); carry = top-k kept for backward"
+    sends = [
+        (s.stage, s.index_share.send_bytes_per_microbatch) for s in stages if s.index_share and s.index_share.sends
+    ]
+    if not sends:
+        return text + "; no stage sends a top-k"
+    if len({size for _, size in sends}) == 1:
+        boundaries = ", ".join(f"{stage}->{stage + 1}" for stage, _ in sends)
+        return text + f"; top-k sent per micro-batch: {mib(sends[0][1])} at {boundaries}"
+    return text + "; top-k sent per micro-batch: " + ", ".join(f"{st}->{st + 1} {mib(n)}" for st, n in sends)
 
 
 def print_report(report: PreflightReport, console: Console) -> None:
@@ -89,7 +117,7 @@ def plot(report: PreflightReport, path: Path) -> None:
     fig, ax = plt.subplots(figsize=(max(6, 0.9 * len(stages) + 3), 4.5))
     bottom = [0.0] * len(stages)
     for component in COMPONENTS:
-        values = [s.train[component] / GiB for s in memory.stages]
+        values = [s.train.get(component, 0) / GiB for s in memory.stages]
         ax.bar(stages, values, bottom=bottom, label=component)
         bottom = [b + v for b, v in zip(bottom, values, strict=True)]
     free = [max(capacity - b, 0.0) for b in bottom]

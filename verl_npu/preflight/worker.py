@@ -38,9 +38,11 @@ def _model_file_digest(source: str | None) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest() if path.is_file() else "absent"
 
 
-def cache_key(config_name: str | None, overrides: list[str], model_config: str | None) -> str:
+def cache_key(
+    config_name: str | None, overrides: list[str], model_config: str | None, beside_script: str | None = None
+) -> str:
     """What the answer depends on, known before composition (so a hit never starts the worker)."""
-    digest = hashlib.sha256(json.dumps([config_name, overrides, model_config]).encode())
+    digest = hashlib.sha256(json.dumps([config_name, overrides, model_config, beside_script]).encode())
     for dist in ("verl", "transformers", "verl-npu"):
         digest.update(importlib.metadata.version(dist).encode())
     for source in sorted(Path(__file__).parent.glob("*.py")):  # the checks themselves
@@ -51,8 +53,18 @@ def cache_key(config_name: str | None, overrides: list[str], model_config: str |
 class PreflightWorker:
     """Answers from the cache, or from a child process started at construction."""
 
-    def __init__(self, config_name: str | None, overrides: list[str], model_config: str | None, use_cache: bool):
-        self._cache = cache_dir() / f"{cache_key(config_name, overrides, model_config)}.json" if use_cache else None
+    def __init__(
+        self,
+        config_name: str | None,
+        overrides: list[str],
+        model_config: str | None,
+        use_cache: bool,
+        beside_script: str | None = None,
+    ):
+        """``beside_script``: a config.json next to the launch script, the model config when the model is not here."""
+        self._beside = beside_script
+        key = cache_key(config_name, overrides, model_config, beside_script)
+        self._cache = cache_dir() / f"{key}.json" if use_cache else None
         self._hit = self._cached_answer()
         self._child = None
         if self._hit is None:
@@ -77,26 +89,34 @@ class PreflightWorker:
 
     def ask(
         self, config: Any, model_path: str | None, model_config: str | None, timeout: float = 300.0
-    ) -> tuple[dict[str, Any] | None, Check, list[Check]]:
-        """(HF config dict or None, the model check, verl's validation checks)."""
+    ) -> tuple[dict[str, Any] | None, Check, list[Check], str | None]:
+        """(HF config dict or None, the model check, verl's validation checks, where the model config came from)."""
         from omegaconf import OmegaConf
 
         answer = self._hit
         if answer is None:
-            request = {"config": OmegaConf.to_yaml(config), "model_path": model_path, "model_config": model_config}
+            request = {
+                "config": OmegaConf.to_yaml(config),
+                "model_path": model_path,
+                "model_config": model_config,
+                "beside_script": self._beside,
+            }
             out, err = self._child.communicate(json.dumps(request), timeout=timeout)
             if self._child.returncode != 0:
                 tail = err.strip().splitlines()[-1] if err.strip() else f"exit {self._child.returncode}"
                 failed = Check("config", "verl-validation", FAIL, f"the preflight worker failed: {tail}")
-                return None, Check("config", "model", FAIL, "not resolved (the preflight worker failed)"), [failed]
+                model = Check("config", "model", FAIL, "not resolved (the preflight worker failed)")
+                return None, model, [failed], None
             answer = json.loads(out)
-            answer["model_files"] = {src: _model_file_digest(src) for src in (model_path, model_config) if src}
+            sources = (model_path, model_config, self._beside)
+            answer["model_files"] = {src: _model_file_digest(src) for src in sources if src}
             if self._cache is not None:
                 self._cache.parent.mkdir(parents=True, exist_ok=True)
                 partial = self._cache.with_name(f".{self._cache.name}.{os.getpid()}")
                 partial.write_text(json.dumps(answer))
                 partial.replace(self._cache)  # atomic: concurrent preflights never read half a file
-        return answer["hf"], Check(**answer["model_check"]), [Check(**c) for c in answer["checks"]]
+        checks = [Check(**c) for c in answer["checks"]]
+        return answer["hf"], Check(**answer["model_check"]), checks, answer.get("model_origin")
 
     def cancel(self) -> None:
         if self._child is not None and self._child.poll() is None:
@@ -112,8 +132,9 @@ def _serve() -> None:
 
     request = json.loads(sys.stdin.read())
     checks = config_check.validate_with_verl(OmegaConf.create(request["config"]))
-    hf, model_check = resolve_model(request["model_path"], request["model_config"])
+    hf, model_check, origin = resolve_model(request["model_path"], request["model_config"], request["beside_script"])
     answer = {"hf": hf, "model_check": model_check.to_dict(), "checks": [c.to_dict() for c in checks]}
+    answer["model_origin"] = origin
     print(json.dumps(answer, default=str))
 
 

@@ -6,8 +6,9 @@ docs/patches.md is generated from this registry (`verl-npu patches --markdown`).
 
 from verl_npu.runtime_patches import (
     dsa_call_context,
-    dsa_hadamard_fallback,
+    dsa_index_share,
     dsa_indexer_loss,
+    dsa_indexer_rotation,
     dsa_indexer_topk_eval,
     dsa_indexer_without_loss,
     dsa_local_spec,
@@ -19,12 +20,13 @@ from verl_npu.runtime_patches import (
 
 ALL = (
     ray_runtime_env.PATCH,
-    dsa_hadamard_fallback.PATCH,
+    dsa_indexer_rotation.PATCH,
     dsa_call_context.PATCH,
     dsa_sparse_attention.PATCH,
     *dsa_indexer_without_loss.PATCHES,
     dsa_indexer_loss.PATCH,
     *dsa_indexer_topk_eval.PATCHES,
+    *dsa_index_share.PATCHES,
     *dsa_local_spec.PATCHES,
     *rope_cpu_init.PATCHES,
     mbridge_glm5.PATCH,

@@ -7,6 +7,8 @@ all but the top-k: 256 GiB per layer at GLM-5's 32k context and 64 heads, so DSA
 Ascend's fused operators (older CANN, the fused flags off, CUDA dev boxes, CPU tests). Measured on
 nvidia-h200 at s=4k: 15x less memory and 3.3x faster, and s=32k runs in 7.4 GiB (bench/results/kernels_h200.json).
 On Ascend with the fused DSA flags MindSpeed replaces DSAttention's forward and this is not called.
+It also reports the top-k it runs with to verl_npu.engine.index_share (GLM-5.2's shared layers
+reuse the most recent full layer's top-k).
 Upstream: megatron-core 0.18.0 transformer/experimental_attention_variant/dsa.py (unfused_dsa_fn,
 called by DSAttention.forward).
 Remove when: megatron-core's DSA computes attention over the selected keys only.
@@ -20,9 +22,11 @@ DSA_MODULE = "megatron.core.transformer.experimental_attention_variant.dsa"
 
 
 def _build(original):
+    from verl_npu.engine import index_share
     from verl_npu.ops import dispatch
 
     def unfused_dsa_fn(query, key, value, topk_indices, softmax_scale):
+        index_share.publish(topk_indices)  # a full IndexShare layer's top-k, for the shared layers after it
         return dispatch.dsa_sparse_attention(query, key, value, topk_indices, softmax_scale)
 
     unfused_dsa_fn.__doc__ = dispatch.dsa_sparse_attention.__doc__

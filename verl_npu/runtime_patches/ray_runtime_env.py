@@ -1,18 +1,20 @@
 """Forward the verl-npu layer and Ascend variables to every Ray worker.
 
 Changes: wraps ``verl.trainer.constants_ppo.get_ppo_ray_runtime_env`` so that the runtime env it
-returns also carries ``VERL_USE_EXTERNAL_MODULES``, verl-npu's own switches and the HCCL /
-determinism variables of the launching shell (only those that are set), plus every variable
+returns also carries ``VERL_USE_EXTERNAL_MODULES``, verl-npu's own switches, verl's GLM-5.2 rollout
+switch and the HCCL / determinism variables of the launching shell (only those that are set), plus every variable
 defined in the env file named by ``VERL_NPU_ENV_FILE`` (a cluster's one env file, see
 examples/glm5_2), with the launching shell's value where it has one.
 Why: verl 0.9.1 forwards neither. Workers on other nodes inherit the environment of their
 node's raylet, not of the driver, so they would run without the NPU layer or with different
-HCCL timeouts and determinism settings than the driver asked for. PYTORCH_NPU_ALLOC_CONF is not
+HCCL timeouts and determinism settings than the driver asked for, and vLLM rollout workers
+without ``VERL_VLLM_ASCEND_GLM52_PATCH`` (verl's opt-in vllm-ascend 0.23 fixes for GLM-5.2 weight
+updates, read where the rollout starts: contracts in verl_npu/contracts). PYTORCH_NPU_ALLOC_CONF is not
 forwarded: expandable segments stop vLLM's sleep mode (contract
 vllm-ascend-sleep-mode-refuses-expandable-segments), and the workers' allocator settings are the
 node's.
 Upstream: verl 0.9.1 verl/trainer/constants_ppo.py (get_ppo_ray_runtime_env).
-Remove when: verl forwards VERL_USE_EXTERNAL_MODULES and the HCCL variables itself.
+Remove when: verl forwards VERL_USE_EXTERNAL_MODULES, its GLM-5.2 switch and the HCCL variables itself.
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ FORWARDED_VARIABLES = (
     "HCCL_SOCKET_IFNAME",
     "GLOO_SOCKET_IFNAME",
     "ASCEND_LAUNCH_BLOCKING",
+    "VERL_VLLM_ASCEND_GLM52_PATCH",
 )
 
 

@@ -18,9 +18,16 @@ mbridge 0.15.1 has no ``glm_moe_dsa`` bridge, so verl's vanilla-mbridge path can
   GlmMoeDsa computes whatever the config says) needs the rotary rows reordered. Rows are permuted
   on load and back on export, so exported weights equal the checkpoint's.
 
-Refused with an error: DSA top-k sharing across layers (``indexer_types`` "shared", GLM-5.2), which
-megatron-core 0.18's DSA does not implement; rope types other than "default"; a router that
-megatron cannot express. MTP layers (``num_nextn_predict_layers``) are not built.
+GLM-5.2 (same ``glm_moe_dsa`` type): its "shared" DSA layers (``indexer_types``) are built without an
+indexer (verl_npu.engine.index_share), like the published checkpoint, which ships no indexer tensors
+for them, and like vLLM's model under vllm-ascend, which has no indexer parameters there (contract
+vllm-ascend-glm5-shared-layers-have-no-indexer): nothing reads or exports them. The FP8 release
+(e4m3 weights with 128x128 block scales) is dequantised to bf16 on load
+(verl_npu.engine.bridges.fp8_safetensors). The MTP layer (``num_nextn_predict_layers``, checkpoint
+layer ``num_hidden_layers``) is neither built nor loaded: RL does not train it, and vLLM's main model
+skips its weights (contract vllm-deepseek-v2-weight-names).
+
+Refused with an error: rope types other than "default"; a router that megatron cannot express.
 """
 
 from __future__ import annotations
@@ -36,12 +43,23 @@ from mbridge.core.safetensor_io import SafeTensorIO
 from mbridge.core.util import unwrap_model
 from mbridge.models.deepseek_v3 import DeepseekV3Bridge
 
+from verl_npu.contracts.vllm import moe_layers as vllm_moe_layers
+from verl_npu.contracts.vllm_ascend import layers_without_indexer
 from verl_npu.engine.bridges.absorbed_mla import merge_kv_b_proj, split_kv_b_proj
-from verl_npu.engine.glm5_config import MODEL_TYPE, glm5_config_fields, rope_parameters
+from verl_npu.engine.bridges.fp8_safetensors import BlockFP8SafeTensorIO, is_fp8_block_scaled
+from verl_npu.engine.glm5_config import (
+    MODEL_TYPE,
+    SHARED,
+    glm5_config_fields,
+    indexer_types,
+    moe_layer_freq,
+    rope_parameters,
+)
 
 logger = logging.getLogger(__name__)
 
 _LAYER_PARAM = re.compile(r"decoder\.layers\.(\d+)\.(.+)")
+_CHECKPOINT_LAYER = re.compile(r"model\.layers\.(\d+)\.")
 _TE_EXPERT = re.compile(r"(mlp\.experts\.linear_fc[12]\.weight)(\d+)")
 _LOCAL_EXPERT = re.compile(r"\.mlp\.experts\.local_experts\.(\d+)\.(linear_fc[12])\.weight$")
 
@@ -72,7 +90,7 @@ def _reorder_rows(tensor: torch.Tensor, order: torch.Tensor) -> torch.Tensor:
 
 
 class GLM5Bridge(DeepseekV3Bridge):
-    """Bridge for ``GlmMoeDsaForCausalLM`` (GLM-5, GLM-5.1): DeepSeek-V3's tables plus DSA."""
+    """Bridge for ``GlmMoeDsaForCausalLM`` (GLM-5, GLM-5.1, GLM-5.2): DeepSeek-V3's tables plus DSA."""
 
     _ATTENTION_MAPPING: ClassVar[dict[str, list[str]]] = {
         **DeepseekV3Bridge._ATTENTION_MAPPING,
@@ -124,17 +142,21 @@ class GLM5Bridge(DeepseekV3Bridge):
         )
 
         self.has_vp_stage = True  # read by LLMBridge's provider
-        return get_transformer_block_with_experimental_attention_variant_spec(self.config, vp_stage=vp_stage)
+        block = get_transformer_block_with_experimental_attention_variant_spec(self.config, vp_stage=vp_stage)
+        return self.transform_block_spec(block, vp_stage)
+
+    def transform_block_spec(self, block_spec, vp_stage: int | None = None):
+        """GLM-5's DSA layers as verl_npu.engine.index_share builds them: shared layers (GLM-5.2) without an
+        indexer, reusing the most recent full layer's top-k, and the reference's indexer numerics."""
+        from verl_npu.engine import index_share
+
+        return index_share.apply_to_glm5_block(block_spec, self.hf_config, self.config, vp_stage)
 
     def _get_safetensor_io(self, weights_path: str):
+        """mbridge's reader; for an FP8 checkpoint (``*_scale_inv`` tensors, with or without an index file)
+        one that dequantises to bf16 on the CPU (see verl_npu.engine.bridges.fp8_safetensors)."""
         path = self._get_actual_hf_path(weights_path)
-        plain = SafeTensorIO(path)
-        # DeepSeek-V3's reader dequantises FP8 blocks but needs an index file; bf16 checkpoints need neither.
-        if not any(name.endswith("_scale_inv") for name in plain.index):
-            return plain
-        from mbridge.models.ext.deepseek_v3.dequant_fp8_safetensor_io import DequantFP8SafeTensorIO
-
-        return DequantFP8SafeTensorIO(path)
+        return BlockFP8SafeTensorIO(path) if is_fp8_block_scaled(path) else SafeTensorIO(path)
 
     # --- names -------------------------------------------------------------------------------
     def _weight_name_mapping_mcore_local_to_global(self, model, consider_ep: bool = True) -> dict[str, str]:
@@ -226,7 +248,14 @@ class GLM5Bridge(DeepseekV3Bridge):
 
     def export_weights(self, models):
         """mbridge's export; a layer whose absorbed K or V half never came is an error, not a silent gap
-        (under verl's ``load_format: dummy`` a tensor never sent stays random in vLLM)."""
+        (under verl's ``load_format: dummy`` a tensor never sent stays random in vLLM).
+
+        Shared DSA layers have no indexer parameters, so nothing is exported for them, which is what vLLM
+        under vllm-ascend expects when its own rule (top-k reuse from ``index_topk_freq`` /
+        ``index_skip_topk_offset``) marks the same layers; a config where vLLM would build other indexers or
+        MoE layers is logged once.
+        """
+        self._warn_if_the_rollout_builds_another_model()
         self.__dict__["_absorbed_pending"] = {}
         yield from super().export_weights(models)
         pending = self.__dict__.pop("_absorbed_pending")
@@ -242,14 +271,72 @@ class GLM5Bridge(DeepseekV3Bridge):
         weights (TP rank 0 reads and scatters over the TP group) by TE's parameter names. It would
         scatter a local-spec expert from TP rank 0 to TP ranks that hold other experts whenever
         expert parallelism spans the TP ranks, so those experts are loaded here instead.
+
+        Only the tensors of the parameters the model has are read: not the MTP layer's (said once per
+        load) nor, for GLM-5.2, indexer tensors of shared layers (the published checkpoint has none).
         """
         self._defer_local_experts = True
         try:
             super().load_weights(models, weights_path, memory_efficient)
         finally:
             self._defer_local_experts = False
+        self._log_mtp_not_loaded()
         for model in models:
             self._load_local_experts(unwrap_model(model), memory_efficient)
+
+    def _log_mtp_not_loaded(self) -> None:
+        """Say once per load that the checkpoint's MTP layers (layer indices from num_hidden_layers on) were
+        skipped. Found by name: verl zeroes ``num_nextn_predict_layers`` in the HF config unless MTP is on."""
+        first = self.hf_config.num_hidden_layers
+        mtp = sorted(
+            {
+                int(match[1])
+                for name in self.safetensor_io.load_hf_weight_names()
+                if (match := _CHECKPOINT_LAYER.match(name)) and int(match[1]) >= first
+            }
+        )
+        if mtp:
+            logger.warning(
+                "GLM-5 bridge: the checkpoint's MTP layer(s) %s are neither built nor loaded: RL does not train "
+                "them, and the rollout gets no MTP weights from the trainer",
+                ", ".join(f"model.layers.{i}.*" for i in mtp),
+            )
+
+    def _warn_if_the_rollout_builds_another_model(self) -> None:
+        """Log once when vLLM (with vllm-ascend) would build other DSA indexers or MoE layers than this model has:
+        it reads other config fields than transformers and the bridge (contracts vllm-deepseek-v2-moe-layers,
+        vllm-ascend-glm5-shared-layers-have-no-indexer). Its load then raises KeyError on a name it has no
+        parameter for, or keeps dummy weights for a parameter it is never sent."""
+        if self.__dict__.get("_rollout_layout_checked"):
+            return
+        self.__dict__["_rollout_layout_checked"] = True
+        ours = {i for i, kind in enumerate(indexer_types(self.hf_config)) if kind == SHARED}
+        rollout = set(layers_without_indexer(self.hf_config))
+        if ours != rollout:
+            logger.warning(
+                "GLM-5 bridge: indexer_types marks layers %s shared (no indexer, nothing exported), but vllm-ascend "
+                "builds no indexer on layers %s (it also needs index_topk_freq / index_skip_topk_offset or "
+                "index_topk_pattern to say that they reuse top-k): the rollout's indexers differ from the trained "
+                "model's, and an indexer never sent keeps vLLM's dummy weights",
+                sorted(ours),
+                sorted(rollout),
+            )
+        ours_moe = {i for i, moe in enumerate(moe_layer_freq(self.hf_config)) if moe}
+        rollout_moe = vllm_moe_layers(self.hf_config)
+        if rollout_moe is None:
+            logger.warning(
+                "GLM-5 bridge: the HF config has no first_k_dense_replace, which vLLM reads to tell dense from MoE "
+                "layers (it does not read mlp_layer_types): the rollout cannot build this model; add "
+                "first_k_dense_replace=%d to config.json",
+                min(ours_moe, default=self.hf_config.num_hidden_layers),
+            )
+        elif ours_moe != set(rollout_moe):
+            logger.warning(
+                "GLM-5 bridge: mlp_layer_types makes layers %s MoE, but vLLM (first_k_dense_replace, moe_layer_freq) "
+                "builds MoE layers %s: the rollout cannot load the exported weights",
+                sorted(ours_moe),
+                list(rollout_moe),
+            )
 
     def _load_local_experts(self, model: torch.nn.Module, memory_efficient: bool) -> None:
         names = {

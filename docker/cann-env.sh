@@ -53,6 +53,7 @@ cann_env_load() { # cann_env_load WARN_PREFIX: source the three scripts in order
   set +eu
   [[ -z "$_cann_env_opts" ]] || set "-$_cann_env_opts"
   eval "$_cann_env_trap"
+  export VERL_NPU_CANN_ENV=loaded # child login shells (docker/profile-cann.sh) need not load it again
   return 0
 }
 

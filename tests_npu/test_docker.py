@@ -151,3 +151,43 @@ def test_image_leaves_pytorch_npu_alloc_conf_unset_for_vllm_ascend_sleep_mode(pa
         f"{path.name} sets {match.group(0).strip()!r}: vllm-ascend's CaMemAllocator (sleep mode, verl's default) "
         "asserts expandable_segments:True is not set"
     )
+
+
+def _login_hook(shell: str, env: dict[str, str]) -> subprocess.CompletedProcess:
+    """What a CI step's `bash -el` does with /etc/profile.d/verl-npu-cann.sh (a link to docker/profile-cann.sh)."""
+    script = f'. "{REPO / "docker" / "profile-cann.sh"}"; echo "${{FAKE_CANN_TOOLKIT:-none}} ${{VERL_NPU_CANN_ENV:-}}"'
+    return subprocess.run(
+        [shell, "-e", "-c", script],
+        capture_output=True,
+        text=True,
+        env={"PATH": "/usr/bin:/bin", "VERL_NPU_SRC": str(REPO), **env},
+        check=False,
+    )
+
+
+def test_a_login_shell_loads_cann_where_the_entrypoint_did_not_run(tmp_path):
+    env = {**BASE_IMAGE_ENV, **make_fake_ascend(tmp_path / "Ascend")}
+    done = _login_hook("bash", env)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["loaded", "loaded"]
+    assert sourced(env) == SOURCED_IN_ORDER
+
+    # a shell the entrypoint started has it already: nothing is sourced twice
+    again = {**env, "CANN_ENV_LOG": str(tmp_path / "again.log"), "VERL_NPU_CANN_ENV": "loaded"}
+    assert _login_hook("bash", again).returncode == 0
+    assert sourced(again) == []
+
+
+@pytest.mark.skipif(shutil.which("sh") is None, reason="no POSIX sh on this machine")
+def test_the_login_hook_leaves_a_non_bash_login_shell_alone(tmp_path):
+    env = make_fake_ascend(tmp_path / "Ascend")
+    done = _login_hook("sh", env)
+    assert done.returncode == 0, done.stderr
+    if Path(shutil.which("sh")).resolve().name != "bash":  # dash: the bash-only script is skipped
+        assert sourced(env) == [] and done.stdout.split() == ["none"]
+
+
+@pytest.mark.parametrize("chip", ["a2", "a3"])
+def test_images_link_the_login_hook_into_profile_d(chip):
+    text = DOCKERFILES[chip].read_text()
+    assert "ln -s /opt/verl-npu/src/verl-npu/docker/profile-cann.sh /etc/profile.d/verl-npu-cann.sh" in text

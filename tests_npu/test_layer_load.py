@@ -111,14 +111,28 @@ def test_a_missing_ascend_adaptor_is_named(tmp_path):
         "b'\\xff'.decode('utf-8')",  # seen when set_env.sh was not sourced
     ],
 )
-def test_a_torch_npu_that_cannot_load_becomes_one_cann_error(tmp_path, failure):
+def test_a_torch_npu_that_cannot_load_on_a_node_with_npus_becomes_one_cann_error(tmp_path, failure):
     # Stands in for torch_npu without CANN: importing it fails the way the real one does.
     (tmp_path / "torch_npu").mkdir()
     (tmp_path / "torch_npu" / "__init__.py").write_text(failure + "\n")
-    done = python(f"import {LAYER}", env={"PYTHONPATH": str(tmp_path)})
+    # This machine has no /dev/davinci*: the node's device files are stood in for.
+    code = f"import verl_npu.platform as p; p.npu_device_files = lambda *a: ['/dev/davinci0']; import {LAYER}"
+    done = python(code, env={"PYTHONPATH": str(tmp_path)})
     assert done.returncode != 0
     assert "CANNEnvironmentError: torch_npu is installed but failed to load" in done.stderr
+    assert "/dev/davinci0" in done.stderr
     assert "source /usr/local/Ascend/ascend-toolkit/set_env.sh" in done.stderr
+
+
+def test_a_pod_without_npus_runs_the_driver_on_cpu_when_torch_npu_cannot_load(tmp_path):
+    # A KubeRay head pod of the verl-npu image: torch_npu is installed, the host driver is not mounted.
+    (tmp_path / "torch_npu").mkdir()
+    (tmp_path / "torch_npu" / "__init__.py").write_text("raise ImportError('libascend_hal.so: cannot open')\n")
+    code = f"import {LAYER} as layer; print('platform', layer.LAYER.platform)"
+    done = python(code, env={"PYTHONPATH": str(tmp_path)})
+    assert done.returncode == 0, done.stderr
+    assert "platform cpu" in done.stdout
+    assert "torch_npu cannot load here" in done.stderr and "no NPU device" in done.stderr
 
 
 def _snapshot(*roots: Path) -> dict[str, tuple[int, int]]:

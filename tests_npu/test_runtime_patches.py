@@ -60,6 +60,25 @@ def test_the_patch_forwards_every_variable_of_the_cluster_env_file(monkeypatch, 
         constants.get_ppo_ray_runtime_env()
 
 
+def test_the_interface_variables_are_not_forwarded_from_the_driver(monkeypatch, tmp_path):
+    """Interface names differ between nodes: each node's ray_start.sh exports its own before
+    `ray start` and the workers inherit them from their raylet, so neither the driver's shell nor
+    the env file may override them (the node-local set of ray_runtime_env)."""
+    env_file = tmp_path / "cluster.env"
+    env_file.write_text("HCCL_SOCKET_IFNAME==eth0\nGLOO_SOCKET_IFNAME=eth0\nHCCL_IF_IP=10.0.0.1\nMODEL_PATH=/m\n")
+    monkeypatch.setenv("VERL_NPU_ENV_FILE", str(env_file))
+    monkeypatch.setenv("HCCL_SOCKET_IFNAME", "=enp189s0f0")
+    monkeypatch.setenv("GLOO_SOCKET_IFNAME", "enp189s0f0")
+    monkeypatch.setenv("TP_SOCKET_IFNAME", "enp189s0f0")
+    monkeypatch.setenv("HCCL_IF_BASE_PORT", "61000")  # one value for the whole cluster: forwarded
+    constants = importlib.import_module("verl.trainer.constants_ppo")
+    applied(ray_runtime_env.PATCH)
+    env_vars = constants.get_ppo_ray_runtime_env()["env_vars"]
+    for name in ("HCCL_SOCKET_IFNAME", "GLOO_SOCKET_IFNAME", "TP_SOCKET_IFNAME", "HCCL_IF_IP"):
+        assert name not in env_vars, name
+    assert env_vars["MODEL_PATH"] == "/m" and env_vars["HCCL_IF_BASE_PORT"] == "61000"
+
+
 # --- Hadamard ------------------------------------------------------------------------------------
 
 

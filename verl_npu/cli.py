@@ -63,9 +63,25 @@ def cmd_doctor(args: argparse.Namespace) -> int:
         probe.meta_path = []
     if args.build_manifest:
         probe.build_manifest_path = Path(args.build_manifest)
+    if args.expect_npus is not None:
+        probe.env[doctor.EXPECT_NPUS_ENV] = str(args.expect_npus)
+    if args.report not in (None, "-") and not Path(args.report).parent.is_dir():
+        print(f"verl-npu doctor: --report {args.report}: directory {Path(args.report).parent} does not exist",
+              file=sys.stderr)  # fmt: skip
+        return 2
     layer = not args.no_layer and not args.site_packages  # the layer probe runs this interpreter
-    report = doctor.diagnose(probe, load_stack(args.manifest), layer=layer, ray=not args.no_ray)
-    if args.json:
+    stack = load_stack(args.manifest)
+    report = doctor.diagnose(probe, stack, layer=layer, ray=not args.no_ray)
+    if args.report is not None:
+        from verl_npu import doctor_report
+
+        text = doctor_report.render(report, probe, stack, layer_requested=layer)
+        if args.report == "-":
+            print(text, end="")
+        else:
+            doctor_report.write(text, Path(args.report))
+            print(f"verl-npu doctor: report written to {args.report}", file=sys.stderr)
+    elif args.json:
         print(json.dumps(report.to_dict(), indent=2))
     else:
         table = Table(title=f"verl-npu doctor: {report.platform.detail} (target {report.target})")
@@ -196,14 +212,9 @@ def cmd_ci_compare(args: argparse.Namespace) -> int:
 
 
 def cmd_ci_image_tag(args: argparse.Namespace) -> int:
-    from verl_npu.ci.images import image_tag
+    from verl_npu.ci.images import print_tag
 
-    try:
-        print(image_tag(args.chip, args.commit, registry=args.registry))
-    except ValueError as exc:
-        print(f"verl-npu ci image-tag: {exc}", file=sys.stderr)
-        return 2
-    return 0
+    return print_tag(args, "verl-npu ci image-tag")
 
 
 def contract_pins(stack: Stack) -> dict[str, str]:
@@ -268,6 +279,12 @@ def cmd_contracts_verify(args: argparse.Namespace) -> int:
     return 1 if failed else 0
 
 
+def _positive_int(text: str) -> int:
+    if not text.strip().isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a positive integer")
+    return int(text)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="verl-npu", description="verl-npu: the Ascend NPU distribution of verl")
     parser.add_argument("--manifest", default=str(MANIFEST_PATH), help=argparse.SUPPRESS)
@@ -290,6 +307,20 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--build-manifest", metavar="FILE", help="build manifest to compare with (default: auto-detected)")
     p.add_argument("--no-layer", action="store_true", help="skip the runtime-layer checks (process and Ray worker)")
     p.add_argument("--no-ray", action="store_true", help="check the layer in a process but not in a Ray worker")
+    p.add_argument(
+        "--expect-npus",
+        type=_positive_int,
+        metavar="N",
+        help="fail unless this node has N NPUs (default: $VERL_NPU_EXPECT_NPUS; CI jobs on NPU runners set it)",
+    )
+    p.add_argument(
+        "--report",
+        nargs="?",
+        const="-",
+        metavar="FILE",
+        help="write a Markdown report for an issue (versions, CANN/driver, NPUs, patches, env with secrets "
+        "redacted, findings) to FILE, or stdout without FILE",
+    )
     p.set_defaults(func=cmd_doctor)
 
     p = sub.add_parser("patches", help="the runtime patches applied or skipped in this process")
@@ -350,10 +381,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--commit", help="with --update: the commit the log was produced with")
     p.set_defaults(func=cmd_ci_compare)
     p = ci_sub.add_parser("image-tag", help="the image tag for a chip and commit (manifest hash + git sha)")
-    p.add_argument("--chip", required=True)
-    p.add_argument("--commit", required=True, help="git sha")
-    p.add_argument("--registry", default="ghcr.io/verl-npu")
+    from verl_npu.ci.images import add_arguments as image_tag_arguments
+
+    image_tag_arguments(p)
     p.set_defaults(func=cmd_ci_image_tag)
+
+    from verl_npu.k8s.cli import register as register_k8s
+
+    register_k8s(sub)
     return parser
 
 

@@ -59,6 +59,12 @@ def _run_command(argv: Sequence[str]) -> str | None:
     return done.stdout if done.returncode == 0 else None
 
 
+def _node_network_checks(env: Mapping[str, str]) -> list[Finding]:
+    from verl_npu.cluster.network import check_network  # it imports this module
+
+    return check_network(env)
+
+
 @dataclasses.dataclass
 class Probe:
     """What the doctor looks at. ``Probe.current()`` reads this process and node."""
@@ -71,6 +77,9 @@ class Probe:
     rlimits: Mapping[str, tuple[int, int]] = dataclasses.field(default_factory=dict)
     build_manifest_path: Path | None = None
     ascend_root: Path = Path("/usr/local/Ascend")
+    which: Callable[[str], str | None] = shutil.which
+    # the node's network checks (verl_npu.cluster.network.check_network); None: not checked here
+    network: Callable[[Mapping[str, str]], list[Finding]] | None = None
 
     @classmethod
     def current(cls) -> Probe:
@@ -87,6 +96,7 @@ class Probe:
             },
             build_manifest_path=build_manifest.find(),
             meta_path=list(sys.meta_path),
+            network=_node_network_checks,
         )
 
     # --- derived views (cached) -------------------------------------------------------------
@@ -147,18 +157,20 @@ class Platform:
     kind: str  # ascend | cuda | cpu
     target: str  # a2 | a3 | dev
     detail: str
+    devices: int | None = None  # NPUs or GPUs listed by npu-smi / nvidia-smi
 
 
 def detect_platform(probe: Probe) -> Platform:
     npu = probe.run(["npu-smi", "info"])
     if npu is not None:
-        count = len(set(re.findall(r"^\|\s*(\d+)\s+\S*910", npu, flags=re.M))) or "?"
+        count = len(set(re.findall(r"^\|\s*(\d+)\s+\S*910", npu, flags=re.M))) or None
+        shown = count or "?"
         # "A3" only as a word of its own: a PCI Bus-Id such as 0000:A3:00.0 on a 910B node is not A3.
         if re.search(r"910_93|(?<![\w:])A3(?![\w:])", npu):
-            return Platform("ascend", "a3", f"Ascend 910C (A3), {count} NPU(s) from npu-smi")
+            return Platform("ascend", "a3", f"Ascend 910C (A3), {shown} NPU(s) from npu-smi", count)
         if re.search(r"910B", npu):
-            return Platform("ascend", "a2", f"Ascend 910B (A2), {count} NPU(s) from npu-smi")
-        return Platform("ascend", "unknown", "npu-smi answered but the chip is neither 910B nor 910_93")
+            return Platform("ascend", "a2", f"Ascend 910B (A2), {shown} NPU(s) from npu-smi", count)
+        return Platform("ascend", "unknown", "npu-smi answered but the chip is neither 910B nor 910_93", count)
     gpus = probe.run(["nvidia-smi", "-L"])
     if gpus:
         # `nvidia-smi -L` lists MIG instances indented under their GPU; count GPUs only.
@@ -168,6 +180,56 @@ def detect_platform(probe: Probe) -> Platform:
 
 
 # --- rules ---------------------------------------------------------------------------------------
+
+EXPECT_NPUS_ENV = "VERL_NPU_EXPECT_NPUS"
+MOUNT_NPUS = (
+    "give the container the NPUs (/dev/davinci*, /dev/davinci_manager, /dev/devmm_svm, /dev/hisi_hdc), the host "
+    "driver (/usr/local/Ascend/driver) and npu-smi (/usr/local/sbin/npu-smi): on Kubernetes through the "
+    "huawei.com/ascend-* resource and hostPath mounts (for Kubernetes-mode runners, in the runner's pod template: "
+    "docker `options:` are ignored there); with docker, --device and -v"
+)
+
+
+def check_expected_npus(probe: Probe, plat: Platform) -> list[Finding]:
+    """Inside a job that expects NPUs (``VERL_NPU_EXPECT_NPUS``), a node without them is a failure, not "CPU only".
+
+    verl's vLLM rollout on NPU runs ``npu-smi`` with no fallback, so its absence fails the job later anyway.
+    """
+    raw = probe.env.get(EXPECT_NPUS_ENV, "").strip()
+    if not raw:
+        return []
+    if not raw.isdigit() or int(raw) < 1:
+        return [
+            Finding(
+                "platform.expected-npus", FAIL, f"{EXPECT_NPUS_ENV}={raw!r} is not a positive integer",
+                f"set {EXPECT_NPUS_ENV} to the NPUs the job needs on this node (8 on A2, 16 on A3), or unset it",
+            )
+        ]  # fmt: skip
+    expected = int(raw)
+    if plat.kind != "ascend":
+        where = probe.which("npu-smi")
+        seen = (
+            "npu-smi is not on PATH"
+            if where is None
+            else f"{where} is there but `npu-smi info` failed or printed no NPU table"
+        )
+        return [
+            Finding(
+                "platform.expected-npus", FAIL,
+                f"this job expects {expected} NPUs ({EXPECT_NPUS_ENV}), but {seen}; the node looks like {plat.detail}",
+                MOUNT_NPUS,
+            )
+        ]  # fmt: skip
+    if plat.devices is None or plat.devices < expected:
+        return [
+            Finding(
+                "platform.expected-npus", FAIL,
+                f"this job expects {expected} NPUs ({EXPECT_NPUS_ENV}), npu-smi lists {plat.devices or 'none'}",
+                "request all of the node's NPUs for the job (huawei.com/ascend-* limit, runner label) and check "
+                "`npu-smi info` for NPUs in a bad state",
+            )
+        ]  # fmt: skip
+    return [Finding("platform.expected-npus", OK, f"{plat.devices} NPUs, {expected} expected")]
 
 
 def check_platform(probe: Probe, stack: Stack, plat: Platform, target: str, built: dict | None) -> list[Finding]:
@@ -623,7 +685,8 @@ def check_system(probe: Probe, target: str) -> list[Finding]:
                 "system.shm",
                 FAIL,
                 f"{probe.shm_path} is missing",
-                "run the container with --shm-size=64g (or --ipc=host)",
+                "run the container with --shm-size=64g (or --ipc=host); on Kubernetes mount an emptyDir with "
+                "medium: Memory at /dev/shm",
             )
         )
     elif shm < GIB:
@@ -632,7 +695,8 @@ def check_system(probe: Probe, target: str) -> list[Finding]:
                 "system.shm",
                 FAIL,
                 f"{probe.shm_path} is {shm / GIB:.2f} GiB: Ray object store and collective buffers need more",
-                "docker run --shm-size=64g (or --ipc=host)",
+                "docker run --shm-size=64g (or --ipc=host); on Kubernetes an emptyDir with medium: Memory and "
+                "sizeLimit 64Gi or more at /dev/shm",
             )
         )
     elif probe.mem_total_bytes and shm < 0.1 * probe.mem_total_bytes:
@@ -690,24 +754,36 @@ def check_system(probe: Probe, target: str) -> list[Finding]:
     return findings
 
 
-def check_layer(probe: Probe, target: str, *, ray: bool = True) -> list[Finding]:
-    """Start Python the way a trainer does (``import verl``) and, with Ray, a worker from it."""
+def probe_layer(probe: Probe, target: str, *, ray: bool = True) -> tuple[dict | None, list[Finding]]:
+    """Start Python the way a trainer does (``import verl``) and, with Ray, a worker from it.
+
+    Returns what ``verl_npu.layer_probe`` saw, or None and the failure.
+    """
     if importlib.util.find_spec("verl") is None:
-        return [Finding("layer.process", FAIL, "verl is not installed", f"bash install.sh --target {target}")]
+        return None, [Finding("layer.process", FAIL, "verl is not installed", f"bash install.sh --target {target}")]
     want_ray = ray and importlib.util.find_spec("ray") is not None
     argv = [sys.executable, "-m", "verl_npu.layer_probe", *(["--ray"] if want_ray else [])]
+    fix = "run: python -m verl_npu.layer_probe"
     try:
         done = subprocess.run(argv, capture_output=True, text=True, env=dict(probe.env), timeout=600, check=False)
     except subprocess.TimeoutExpired:
-        return [
-            Finding(
-                "layer.process", FAIL, "probing the layer timed out after 600 s", "run: python -m verl_npu.layer_probe"
-            )
-        ]
+        return None, [Finding("layer.process", FAIL, "probing the layer timed out after 600 s", fix)]
     if done.returncode != 0:
         last = (done.stderr.strip().splitlines() or ["(no output)"])[-1]
-        return [Finding("layer.process", FAIL, f"`import verl` failed: {last}", "run: python -m verl_npu.layer_probe")]
-    report = json.loads(done.stdout.strip().splitlines()[-1])
+        return None, [Finding("layer.process", FAIL, f"`import verl` failed: {last}", fix)]
+    try:
+        report = json.loads(done.stdout.strip().splitlines()[-1])
+    except (IndexError, ValueError):
+        return None, [Finding("layer.process", FAIL, "the layer probe printed no JSON report", fix)]
+    return report, []
+
+
+def check_layer(probe: Probe, target: str, *, ray: bool = True, report: dict | None = None) -> list[Finding]:
+    """The runtime layer in a fresh process and a Ray worker (``report``: an earlier :func:`probe_layer` result)."""
+    if report is None:
+        report, failed = probe_layer(probe, target, ray=ray)
+        if report is None:
+            return failed
     findings = []
     proc = report["process"]
     if proc["active"]:
@@ -751,6 +827,7 @@ class Report:
     platform: Platform
     target: str
     findings: list[Finding]
+    layer: dict | None = None  # what verl_npu.layer_probe saw (process and Ray worker), when it ran
 
     @property
     def failed(self) -> bool:
@@ -787,6 +864,7 @@ def diagnose(
     if plat.kind != "ascend" and built is not None and built.get("target") in NPU_TARGETS:
         target = built["target"]  # inspecting an Ascend image without NPUs: check it as built
     findings += check_platform(probe, stack, plat, target, built)
+    findings += check_expected_npus(probe, plat)
     findings += check_versions(probe, stack, target)
     if not any(f.check == "build-manifest" for f in findings):
         findings += check_build_manifest(probe, stack, target, built)
@@ -800,6 +878,13 @@ def diagnose(
     findings += check_glm52_rollout_patch(probe, target)
     findings += check_contracts(probe, target, contracts)
     findings += check_system(probe, target)
+    if probe.network is not None and (target in NPU_TARGETS or plat.kind == "ascend"):
+        findings += probe.network(probe.env)
+    elif probe.network is not None:
+        findings.append(Finding("network", OK, "not checked on a dev target: HCCL and the cluster's interfaces "
+                                "matter on Ascend nodes (python -m verl_npu.cluster.network check)"))  # fmt: skip
+    seen = None
     if layer:
-        findings += check_layer(probe, target, ray=ray)
-    return Report(plat, target, findings)
+        seen, failed = probe_layer(probe, target, ray=ray)
+        findings += failed if seen is None else check_layer(probe, target, report=seen)
+    return Report(plat, target, findings, seen)

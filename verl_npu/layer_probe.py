@@ -27,17 +27,25 @@ def _in_a_ray_worker() -> dict:
     from verl.trainer.constants_ppo import get_ppo_ray_runtime_env
 
     runtime_env = get_ppo_ray_runtime_env()
-    ray.init(num_cpus=1, include_dashboard=False, log_to_driver=False, runtime_env=runtime_env)
+    # a private instance: on a node where `ray start` already runs, ray.init() would join that cluster
+    ray.init(address="local", num_cpus=1, include_dashboard=False, log_to_driver=False, runtime_env=runtime_env)
     try:
 
         @ray.remote(num_cpus=1)
         def probe() -> dict:
             import verl  # noqa: F401
 
-            return {
+            env_vars = ray.get_runtime_context().runtime_env.get("env_vars", {})
+            seen = {
                 "active": LAYER in sys.modules,
-                "forwarded": ray.get_runtime_context().runtime_env.get("env_vars", {}).get("VERL_USE_EXTERNAL_MODULES"),
+                "forwarded": env_vars.get("VERL_USE_EXTERNAL_MODULES"),
+                "forwarded_variables": sorted(env_vars),
             }
+            if seen["active"]:
+                from verl_npu.megatron_adaptor import LAYER as loaded
+
+                seen.update(platform=loaded.platform, patches={r.id: r.status for r in loaded.records()})
+            return seen
 
         return ray.get(probe.remote(), timeout=300)
     finally:

@@ -1,1 +1,2 @@
-"""CI support: the baseline comparator for nightly training logs and manifest-derived image tags."""
+"""CI support: the baseline comparator for nightly training logs, manifest-derived image tags, and the
+nightly jobs' GSM8K preparation."""

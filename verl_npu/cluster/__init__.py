@@ -1,1 +1,2 @@
-"""Cluster bring-up checks for multi-node launches (Ray registration, collective smoke test)."""
+"""Cluster bring-up for multi-node launches: each node's network (interfaces, ports, device NICs), Ray
+registration and the collective smoke test."""

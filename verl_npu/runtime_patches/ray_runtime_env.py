@@ -12,7 +12,10 @@ without ``VERL_VLLM_ASCEND_GLM52_PATCH`` (verl's opt-in vllm-ascend 0.23 fixes f
 updates, read where the rollout starts: contracts in verl_npu/contracts). PYTORCH_NPU_ALLOC_CONF is not
 forwarded: expandable segments stop vLLM's sleep mode (contract
 vllm-ascend-sleep-mode-refuses-expandable-segments), and the workers' allocator settings are the
-node's.
+node's. Nor are the host interface variables (NODE_LOCAL_VARIABLES), even when the env file or
+the driver's shell has them: interface names differ between nodes, and each node's
+``ray_start.sh`` exports its own (verl_npu/cluster/network.py) before ``ray start``, so the
+workers inherit their node's value from the raylet; the driver's would override it.
 Upstream: verl 0.9.1 verl/trainer/constants_ppo.py (get_ppo_ray_runtime_env).
 Remove when: verl forwards VERL_USE_EXTERNAL_MODULES, its GLM-5.2 switch and the HCCL variables itself.
 """
@@ -21,8 +24,8 @@ from __future__ import annotations
 
 import functools
 import os
-from pathlib import Path
 
+from verl_npu.envfile import env_file_variables  # re-exported: the reader moved to a torch-free module
 from verl_npu.patching import Patch
 
 FORWARDED_VARIABLES = (
@@ -38,29 +41,12 @@ FORWARDED_VARIABLES = (
     "HCCL_EXEC_TIMEOUT",
     "HCCL_BUFFSIZE",
     "HCCL_IF_BASE_PORT",
-    "HCCL_SOCKET_IFNAME",
-    "GLOO_SOCKET_IFNAME",
     "ASCEND_LAUNCH_BLOCKING",
     "VERL_VLLM_ASCEND_GLM52_PATCH",
 )
 
-
-def env_file_variables(path: str) -> dict[str, str]:
-    """``KEY=VALUE`` / ``export KEY=VALUE`` lines of a shell env file (quotes stripped, no expansion)."""
-    variables = {}
-    for number, raw in enumerate(Path(path).read_text().splitlines(), start=1):
-        line = raw.strip()
-        if not line or line.startswith("#"):
-            continue
-        line = line.removeprefix("export ").strip()
-        name, sep, value = line.partition("=")
-        if not sep or not name.isidentifier():
-            raise ValueError(f"{path}:{number}: expected NAME=VALUE, got {raw!r}")
-        value = value.strip()
-        if len(value) >= 2 and value[0] == value[-1] and value[0] in "'\"":
-            value = value[1:-1]
-        variables[name] = value
-    return variables
+# Per node by nature: an interface name or an address of the node the worker runs on.
+NODE_LOCAL_VARIABLES = frozenset({"HCCL_SOCKET_IFNAME", "GLOO_SOCKET_IFNAME", "TP_SOCKET_IFNAME", "HCCL_IF_IP"})
 
 
 def _build(original):
@@ -75,7 +61,8 @@ def _build(original):
         env_file = os.environ.get("VERL_NPU_ENV_FILE")
         if env_file:
             for name, value in env_file_variables(env_file).items():
-                env_vars.setdefault(name, os.environ.get(name, value))
+                if name not in NODE_LOCAL_VARIABLES:
+                    env_vars.setdefault(name, os.environ.get(name, value))
         return runtime_env
 
     return get_ppo_ray_runtime_env

@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # Nightly (A3, 16 NPUs): GRPO on a small GLM-5-shaped model (MLA + DSA + MoE; config in
-# ci/nightly/models/glm5_small, random weights made by make_glm5_small.py) with MindSpeed's absorbed MLA
-# and fused DSA operators, EP and offload. Run through ci/nightly/run_job.sh.
+# ci/nightly/models/glm5_small with its small tokenizer, random weights made by make_glm5_small.py) with
+# MindSpeed's absorbed MLA and fused DSA operators, EP and offload. Run through ci/nightly/run_job.sh.
+# Reads the runner's raw GSM8K cache (nightly.env); writes the model and the data under $WORK_ROOT/<experiment>,
+# or DSA_JOB_DIR when set: over several nodes every worker reads them, so they must be on storage all mount.
 # multinode_grpo.sh sets the DSA_JOB_* values below (nodes, EP, rollout TP, batch, experiment) and
 # sources this file: one launch for both jobs.
 # preflight: --chip a3 --model-config ci/nightly/models/glm5_small
@@ -12,16 +14,18 @@ set -a
 # shellcheck source=/dev/null
 source "$NIGHTLY_DIR/nightly.env"
 set +a
-MODEL_DIR="$CKPT_ROOT/glm5_small_init"
+JOB_DIR="${DSA_JOB_DIR:-$WORK_ROOT/${DSA_JOB_EXPERIMENT:-dsa_glm5_small}}"
+MODEL_DIR="$JOB_DIR/model"
 python3 "$NIGHTLY_DIR/make_glm5_small.py" "$NIGHTLY_DIR/models/glm5_small" "$MODEL_DIR"
+python3 -m verl_npu.ci.gsm8k "$DATASET_ROOT/openai/gsm8k" "$JOB_DIR/gsm8k"
 
 MEGATRON=actor_rollout_ref.actor.megatron
 TRANSFORMER=$MEGATRON.override_transformer_config
 
 python3 -m verl.trainer.main_ppo --config-name=ppo_megatron_trainer \
     algorithm.adv_estimator=grpo \
-    data.train_files="$DATA_ROOT/gsm8k/train.parquet" \
-    data.val_files="$DATA_ROOT/gsm8k/test.parquet" \
+    data.train_files="$JOB_DIR/gsm8k/train.parquet" \
+    data.val_files="$JOB_DIR/gsm8k/test.parquet" \
     data.train_batch_size="${DSA_JOB_TRAIN_BATCH_SIZE:-32}" \
     data.max_prompt_length=1024 \
     data.max_response_length=1024 \

@@ -1,0 +1,732 @@
+"""Render a multi-node verl launch as Kubernetes objects: a KubeRay RayJob or a Volcano Job.
+
+One env file and one launch script describe the cluster, as for a bare-metal run
+(examples/glm5_2: glm5_2.env, ray_start.sh, run_glm5_2_grpo_a3.sh). The renderer turns them into:
+
+- a ConfigMap holding the env file (plus the cluster shape ray_start.sh reads, when the file leaves
+  it to flags) and the node scripts, mounted at /etc/verl-npu on every pod: the pods read the env
+  file that was rendered, not the image's copy, which a site edits (paths, shape) without rebuilding;
+- a head pod and NNODES-1 worker pods, each a whole node's NPUs. The head has NPUs too: NNODES
+  counts the head as in ray_start.sh and verl's trainer.nnodes, and the head runs the launch,
+  `verl-npu doctor` and the driver's `import verl`, which need an NPU node's devices and driver;
+- every pod runs ray_start.sh (head, or worker with the head's IP) through the image's entrypoint
+  (CANN's environment), so each node picks its own network interface: nothing per node is set here;
+- /dev/shm as a memory-backed emptyDir with a size limit (the container default is 64 MiB, on which
+  `verl-npu doctor` fails and Ray's object store falls back to disk);
+- shared storage: ReadWriteMany PVCs mounted at the same path on every pod (models, data,
+  checkpoints and results: the launch writes on the head what workers read);
+- the image of the chip built from the stack manifest and a commit (verl_npu.ci.images), never a
+  floating tag, with image pull secrets.
+
+For KubeRay the head's container only starts Ray; the RayJob's entrypoint waits until the head's
+ray_start.sh has seen every NPU and passed its HCCL smoke test, then runs the launch. For Volcano
+(gang-scheduled: all NNODES pods or none) the head runs the launch itself after ray_start.sh, and
+the job completes with the head.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+import shlex
+from pathlib import Path, PurePosixPath
+from typing import Any
+
+from verl_npu.envfile import env_file_variables
+from verl_npu.k8s import validate
+from verl_npu.stack.manifest import MANIFEST_PATH, REPO_ROOT, StackError, load_stack
+
+KINDS = ("rayjob", "volcano")
+# docker/Dockerfile.a2 and .a3 copy the repository there and set docker/entrypoint.sh (CANN's
+# environment) as the entrypoint; a pod's `command` replaces the entrypoint, so it is named again.
+IMAGE_SOURCE = PurePosixPath("/opt/verl-npu/src/verl-npu")
+IMAGE_ENTRYPOINT = IMAGE_SOURCE / "docker" / "entrypoint.sh"
+CONFIG_DIR = PurePosixPath("/etc/verl-npu")
+# NPUs of one node: Atlas 800T A2 servers have 8 (910B), Atlas A3 nodes 16 dies (910C); the
+# upstream runners are linux-aarch64-a2b3-8 and linux-aarch64-a3-16 (shared/reference.md section 6).
+NPUS_PER_NODE_MAX = {"a2": 8, "a3": 16}
+# The device plugin's resource name. Huawei Cloud CCE's Ascend plugin, which upstream verl's and
+# vllm-ascend's A3 multi-node nightlies run on, names 910B and 910C `huawei.com/ascend-1980`;
+# MindCluster's device plugin names them `huawei.com/Ascend910` (pass --npu-resource).
+DEFAULT_NPU_RESOURCE = "huawei.com/ascend-1980"
+DEFAULT_VOLUMES = (("verl-npu-cache", "/root/.cache"),)
+DEFAULT_PULL_SECRET = "verl-npu-registry"
+# Per-node values: the interface name (or IP) differs between nodes, and ray_start.sh sets them on
+# each node. An env file that sets them forces one value on the whole cluster.
+PER_NODE_KEYS = ("HCCL_SOCKET_IFNAME", "GLOO_SOCKET_IFNAME", "TP_SOCKET_IFNAME", "HCCL_IF_IP")
+# Env keys naming what every node reads or writes (examples/glm5_2/glm5_2.env, ci/nightly/nightly.env and
+# the directory ci/nightly/jobs/dsa_glm5_small.sh makes its model and data in when several nodes read them).
+SHARED_PATH_KEYS = (
+    "MODEL_PATH", "MODEL_ROOT", "DATA_ROOT", "DATASET_ROOT", "TRAIN_FILES", "VAL_FILES", "CKPT_DIR", "CKPT_ROOT",
+    "DSA_JOB_DIR",
+)  # fmt: skip
+# Set by the renderer on every node pod; an env file or --env naming them would be overridden.
+RESERVED_KEYS = ("ENV_FILE", "VERL_NPU_ENV_FILE", "VERL_NPU_EXPECT_NPUS")
+# The host side of the NPUs, as the Ascend runners' pod template mounts it (ci/nightly/check_npus.sh):
+# the driver's libraries, DCMI and npu-smi, which verl's rollout and `verl-npu doctor` call.
+DEFAULT_HOST_PATHS = ("/usr/local/Ascend/driver", "/usr/local/dcmi", "/usr/local/sbin/npu-smi")
+DEFAULT_RAY_PORT = 6379
+DASHBOARD_PORT, CLIENT_PORT = 8265, 10001
+# ray_start.sh's head waits SMOKE_WAIT_S (1800 s by default) for every NPU; the other waits give that
+# plus time for image pulls on the slowest node.
+CLUSTER_WAIT_S = 2400
+READY_MARKER = "/tmp/verl-npu-ray-ready"
+SHM_MIN_GIB = 1  # verl-npu doctor fails a node whose /dev/shm is under 1 GiB
+_TAG_IMAGE = re.compile(r"^(?P<repo>[a-z0-9.-]+(:\d+)?(/[a-z0-9._-]+)+):(?P<tag>[A-Za-z0-9._-]+)$")
+_REGISTRY = re.compile(r"^[a-z0-9.-]+(:\d+)?(/[a-z0-9._-]+)*$")
+_QUANTITY = re.compile(r"^(?P<number>[0-9]+(\.[0-9]+)?)(?P<suffix>Ki|Mi|Gi|Ti|Pi|Ei|m|k|M|G|T|P|E)?$")
+_SUFFIX = {
+    None: 1, "m": 1e-3, "k": 1e3, "M": 1e6, "G": 1e9, "T": 1e12, "P": 1e15, "E": 1e18,
+    "Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40, "Pi": 2**50, "Ei": 2**60,
+}  # fmt: skip
+_RESOURCE_NAME = re.compile(r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?/[A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?$")
+_POSITIVE_INT = re.compile(r"^[1-9][0-9]*$")
+
+
+class RenderError(ValueError):
+    """A bad input: the message names the option, file or key, the value, and the fix."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Request:
+    kind: str
+    name: str
+    env_file: Path
+    launch: Path
+    launch_args: tuple[str, ...] = ()
+    extra_env: tuple[tuple[str, str], ...] = ()  # --env NAME=VALUE: after the env file's own values
+    image: str | None = None
+    commit: str | None = None
+    registry: str | None = None
+    chip: str = "a3"
+    nnodes: int | None = None
+    npus_per_node: int | None = None
+    volumes: tuple[tuple[str, str], ...] = DEFAULT_VOLUMES  # (claim, mount path)
+    pull_secrets: tuple[str, ...] = (DEFAULT_PULL_SECRET,)
+    npu_resource: str = DEFAULT_NPU_RESOURCE
+    shm_size: str = "256Gi"
+    cpu: str = "160"
+    memory: str = "1400Gi"
+    ray_start: Path = Path("examples/glm5_2/ray_start.sh")
+    deadline_s: int = 3 * 3600
+    ttl_s: int = 600
+    namespace: str | None = None
+    queue: str = "default"
+    results_pod: bool = False
+    host_paths: tuple[str, ...] = DEFAULT_HOST_PATHS
+    repo: Path = REPO_ROOT
+    manifest: Path = MANIFEST_PATH
+
+
+@dataclasses.dataclass(frozen=True)
+class Cluster:
+    """A request with every input read and checked."""
+
+    request: Request
+    image: str
+    ray_version: str
+    nnodes: int
+    npus_per_node: int
+    ray_port: int
+    env: dict[str, str]  # what the pods' containers get (the env file's variables and the shape)
+    env_file_name: str
+    env_text: str  # the ConfigMap's copy of the env file
+    launch: PurePosixPath  # in the image
+    ray_start: PurePosixPath  # in the image
+
+    @property
+    def name(self) -> str:
+        return self.request.name
+
+    @property
+    def config_map(self) -> str:
+        return f"{self.name}-config"
+
+    @property
+    def env_path(self) -> PurePosixPath:
+        return CONFIG_DIR / self.env_file_name
+
+
+# --- inputs ---------------------------------------------------------------------------------------
+
+
+def quantity(value: str, option: str) -> float:
+    """A Kubernetes quantity in base units (bytes, cores); RenderError naming ``option``."""
+    m = _QUANTITY.match(str(value))
+    if not m:
+        raise RenderError(f"{option} {value!r} is not a Kubernetes quantity (e.g. 256Gi, 1400Gi, 160, 500m)")
+    return float(m["number"]) * _SUFFIX[m["suffix"]]
+
+
+def _check_name(request: Request) -> None:
+    name = request.name
+    if request.kind == "rayjob":
+        ok = validate.DNS1035_LABEL.match(name) and len(name) <= validate.RAYJOB_NAME_MAX
+        limit = (
+            f"at most {validate.RAYJOB_NAME_MAX} characters (KubeRay derives the RayCluster and its services from it)"
+        )
+    else:
+        # the longest pod hostname is <name>-worker-<NNODES-2>; checked again on the rendered Job
+        ok = validate.DNS1035_LABEL.match(name) and len(name) <= validate.LABEL_MAX - len("-worker-99999")
+        limit = (
+            f"at most {validate.LABEL_MAX - len('-worker-99999')} characters (pod hostnames are <name>-worker-<index>)"
+        )
+    if not ok:
+        raise RenderError(
+            f"--name {name!r}: must be a DNS-1035 label (lowercase letters, digits and '-', starting with a "
+            f"letter, ending with a letter or digit) of {limit}; make it unique per run, e.g. "
+            "verl-npu-mn-<run id>-<attempt>"
+        )
+
+
+def _image(request: Request) -> str:
+    from verl_npu.ci.images import TAG, ghcr_registry, image_tag, manifest_digest
+
+    if request.image is not None:
+        if request.commit is not None or request.registry is not None:
+            raise RenderError("--image names the whole image: give it alone, or --commit (and --registry) instead")
+        m = _TAG_IMAGE.match(request.image)
+        tag = TAG.match(m["tag"]) if m else None
+        if tag is None:
+            raise RenderError(
+                f"--image {request.image!r}: expected REGISTRY/verl-npu:<chip>-<manifest sha>-<commit>, the tag "
+                "`verl-npu ci image-tag` gives (never a floating tag such as latest)"
+            )
+        if tag["chip"] != request.chip:
+            raise RenderError(
+                f"--image {request.image!r} is built for chip {tag['chip']!r} but --chip is {request.chip!r}"
+            )
+        digest = manifest_digest(request.manifest)
+        if tag["manifest"] != digest:
+            raise RenderError(
+                f"--image {request.image!r} was built from another stack manifest (digest {tag['manifest']}, "
+                f"{request.manifest} has {digest}): render from the commit the image was built from, or build "
+                "the image of this commit"
+            )
+        return request.image
+    if request.commit is None:
+        raise RenderError("give --image (the image built for this commit), or --commit with --registry")
+    registry = request.registry
+    try:
+        if registry is None:
+            owner = os.environ.get("GITHUB_REPOSITORY_OWNER", "")
+            if not owner:
+                raise RenderError("--registry is required with --commit outside GitHub Actions (e.g. ghcr.io/<owner>)")
+            registry = ghcr_registry(owner)  # what the images workflow pushes to
+        if not _REGISTRY.match(registry):
+            raise RenderError(f"--registry {registry!r}: expected a lowercase registry path such as ghcr.io/<owner>")
+        return image_tag(request.chip, request.commit, manifest=request.manifest, registry=registry)
+    except ValueError as exc:
+        if isinstance(exc, RenderError):
+            raise
+        raise RenderError(f"--commit/--registry: {exc}") from None
+
+
+def _in_repo(path: Path, repo: Path, option: str) -> PurePosixPath:
+    """The image path of a file of the repository (the images carry the repository at IMAGE_SOURCE)."""
+    full = (path if path.is_absolute() else repo / path).resolve()
+    root = repo.resolve()
+    if not full.is_relative_to(root):
+        raise RenderError(
+            f"{option} {path}: not inside the repository {root}; the pods run it from the image, which holds "
+            f"the repository at {IMAGE_SOURCE}: commit it to the repository and build the image"
+        )
+    if not full.is_file():
+        raise RenderError(f"{option} {path}: no such file in {root}")
+    return IMAGE_SOURCE / full.relative_to(root).as_posix()
+
+
+def _shape(request: Request, values: dict[str, str], key: str, flag: int | None, option: str) -> int:
+    in_file = values.get(key)
+    if in_file is not None and not _POSITIVE_INT.match(in_file):
+        raise RenderError(f"{request.env_file}: {key}={in_file!r} is not a positive integer")
+    if flag is not None and (isinstance(flag, bool) or not isinstance(flag, int) or flag < 1):
+        raise RenderError(f"{option} {flag!r} is not a positive integer")
+    if in_file is not None and flag is not None and int(in_file) != flag:
+        raise RenderError(f"{option} {flag} contradicts {key}={in_file} in {request.env_file}: drop one of them")
+    if in_file is None and flag is None:
+        raise RenderError(f"{request.env_file}: {key} is missing: set it in the env file or pass {option}")
+    return int(in_file) if in_file is not None else flag  # type: ignore[return-value]
+
+
+def _check_shared_paths(request: Request, values: dict[str, str]) -> None:
+    mounts = [PurePosixPath(m) for _, m in request.volumes]
+    for key in SHARED_PATH_KEYS:
+        if key not in values:
+            continue
+        value = values[key]
+        # TRAIN_FILES / VAL_FILES may be a Hydra list: "[/a.parquet,/b.parquet]"
+        paths = [p.strip(" '\"") for p in value.strip("[]").split(",") if p.strip(" '\"")]
+        for path in paths or [value]:
+            pure = PurePosixPath(path)
+            if not pure.is_absolute() or not any(pure.is_relative_to(m) for m in mounts):
+                raise RenderError(
+                    f"{request.env_file}: {key}={value!r} is not on the shared storage every pod mounts "
+                    f"({', '.join(map(str, mounts))}): nodes other than the head could not read it. Move it under "
+                    "a shared mount (e.g. /root/.cache/models/<org>/<name>, /root/.cache/datasets) or mount its "
+                    "ReadWriteMany claim with --pvc CLAIM=MOUNT"
+                )
+
+
+def _check_volumes(request: Request) -> None:
+    seen: set[str] = set()
+    if not request.volumes:
+        raise RenderError("--pvc: give at least one shared ReadWriteMany claim (CLAIM=MOUNT)")
+    for claim, mount in request.volumes:
+        if not validate.DNS1123_SUBDOMAIN.match(claim) or len(claim) > validate.SUBDOMAIN_MAX:
+            raise RenderError(f"--pvc {claim}={mount}: {claim!r} is not a valid PersistentVolumeClaim name")
+        pure = PurePosixPath(mount)
+        if not pure.is_absolute() or str(pure) != mount or mount == "/":
+            raise RenderError(
+                f"--pvc {claim}={mount}: the mount path must be an absolute, normalised path other than /"
+            )
+        if mount in seen or mount in ("/dev/shm", str(CONFIG_DIR)):
+            raise RenderError(
+                f"--pvc {claim}={mount}: {mount} is already mounted (by another --pvc, /dev/shm or the config)"
+            )
+        seen.add(mount)
+    for path in request.host_paths:
+        pure = PurePosixPath(path)
+        if not pure.is_absolute() or str(pure) != path or path == "/" or path in seen:
+            raise RenderError(f"--host-path {path!r}: give an absolute, normalised path that no other mount uses")
+        seen.add(path)
+
+
+def _extra_env(request: Request) -> dict[str, str]:
+    out: dict[str, str] = {}
+    for key, value in request.extra_env:
+        if not key.isidentifier() or not key.isascii():
+            raise RenderError(f"--env {key}={value}: {key!r} is not a variable name")
+        if key in ("NNODES", "NPUS_PER_NODE", "RAY_PORT") or key in RESERVED_KEYS:
+            raise RenderError(
+                f"--env {key}: set by the env file or the renderer's own options (--nnodes, --npus-per-node)"
+            )
+        if "'" in value or "\n" in value:
+            raise RenderError(
+                f"--env {key}: the value may not hold a single quote or a newline (env files are NAME=VALUE lines)"
+            )
+        out[key] = value
+    return out
+
+
+def resolve(request: Request) -> Cluster:
+    """Read and check every input of ``request``; RenderError names the first bad one."""
+    if request.kind not in KINDS:
+        raise RenderError(f"kind {request.kind!r}: choose one of {', '.join(KINDS)}")
+    _check_name(request)
+    try:
+        stack = load_stack(request.manifest)
+    except StackError as exc:
+        raise RenderError(str(exc)) from None
+    if request.chip not in stack.chips:
+        raise RenderError(f"--chip {request.chip!r}: the stack manifest has {', '.join(sorted(stack.chips))}")
+    ray = stack.packages.get("ray")
+    if ray is None:
+        raise RenderError(
+            f"{request.manifest}: no [packages.ray]: the RayJob's rayVersion and the nodes' Ray come from that pin"
+        )
+    image = _image(request)
+
+    if not request.env_file.is_file():
+        raise RenderError(f"--env-file {request.env_file}: no such file")
+    try:
+        values = env_file_variables(str(request.env_file))
+        env_text = request.env_file.read_text(encoding="utf-8")
+    except (ValueError, OSError, UnicodeDecodeError) as exc:
+        raise RenderError(f"--env-file: {exc}") from None
+    overrides = _extra_env(request)
+    for key in PER_NODE_KEYS:
+        if key in values or key in overrides:
+            where = str(request.env_file) if key in values else "--env"
+            raise RenderError(
+                f"{where}: {key} would force one value on every node, but interface names and IPs differ between "
+                "nodes: remove it; ray_start.sh sets it on each node"
+            )
+    reserved = [k for k in RESERVED_KEYS if k in values]
+    if reserved:
+        raise RenderError(f"{request.env_file}: {', '.join(reserved)} is set by the renderer on every pod: remove it")
+    nnodes = _shape(request, values, "NNODES", request.nnodes, "--nnodes")
+    npus = _shape(request, values, "NPUS_PER_NODE", request.npus_per_node, "--npus-per-node")
+    if npus > NPUS_PER_NODE_MAX[request.chip]:
+        raise RenderError(
+            f"NPUS_PER_NODE={npus} ({request.env_file} or --npus-per-node): an {request.chip.upper()} node has "
+            f"{NPUS_PER_NODE_MAX[request.chip]} NPUs"
+        )
+    port_text = values.get("RAY_PORT", str(DEFAULT_RAY_PORT))
+    if not _POSITIVE_INT.match(port_text) or int(port_text) > 65535:
+        raise RenderError(f"{request.env_file}: RAY_PORT={port_text!r} is not a TCP port")
+    _check_volumes(request)
+    _check_shared_paths(request, {**values, **overrides})
+
+    for secret in request.pull_secrets:
+        if not validate.DNS1123_SUBDOMAIN.match(secret) or len(secret) > validate.SUBDOMAIN_MAX:
+            raise RenderError(f"--pull-secret {secret!r}: not a valid Secret name (DNS-1123 subdomain)")
+    if not _RESOURCE_NAME.match(request.npu_resource):
+        raise RenderError(
+            f"--npu-resource {request.npu_resource!r}: expected a device plugin resource such as "
+            f"{DEFAULT_NPU_RESOURCE} or huawei.com/Ascend910"
+        )
+    cpu = quantity(request.cpu, "--cpu")
+    memory = quantity(request.memory, "--memory")
+    shm = quantity(request.shm_size, "--shm-size")
+    if cpu <= 0 or memory <= 0:
+        raise RenderError(f"--cpu {request.cpu} / --memory {request.memory}: must be positive")
+    if shm < SHM_MIN_GIB * 2**30:
+        raise RenderError(f"--shm-size {request.shm_size}: under {SHM_MIN_GIB} GiB, on which `verl-npu doctor` fails")
+    if shm > memory:
+        raise RenderError(
+            f"--shm-size {request.shm_size} exceeds --memory {request.memory}: a memory-backed /dev/shm is charged "
+            "to the container's memory limit"
+        )
+    for value, option in ((request.deadline_s, "--deadline"), (request.ttl_s, "--ttl")):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise RenderError(f"{option} {value!r}: give a positive number of seconds")
+    if request.namespace is not None and not validate.DNS1123_LABEL.match(request.namespace):
+        raise RenderError(f"--namespace {request.namespace!r}: not a valid namespace name")
+    if request.kind == "volcano" and not validate.DNS1123_SUBDOMAIN.match(request.queue):
+        raise RenderError(f"--queue {request.queue!r}: not a valid Volcano queue name")
+
+    launch = _in_repo(request.launch, request.repo, "--launch")
+    ray_start = _in_repo(request.ray_start, request.repo, "--ray-start")
+    name = request.env_file.name
+    if not validate.CONFIGMAP_KEY.match(name) or name in ("head.sh", "worker.sh", "entrypoint.sh"):
+        raise RenderError(
+            f"--env-file {request.env_file}: rename it (letters, digits, '-', '_', '.'; not a node script's name)"
+        )
+
+    shape = {"NNODES": str(nnodes), "NPUS_PER_NODE": str(npus), "RAY_PORT": port_text}
+    added = {**{k: v for k, v in shape.items() if k not in values}, **overrides}
+    if added:
+        # later lines win, for `source` (ray_start.sh) and for verl-npu's reader (VERL_NPU_ENV_FILE) alike
+        env_text = (
+            env_text.rstrip("\n")
+            + "\n\n# Added by `verl-npu k8s render`: --env, and the cluster shape when given as flags.\n"
+        )
+        env_text += "".join(f"{k}={shlex.quote(v)}\n" for k, v in added.items())
+    env = {**values, **added}
+    return Cluster(
+        request=request, image=image, ray_version=ray.version, nnodes=nnodes, npus_per_node=npus,
+        ray_port=int(port_text), env=env, env_file_name=name, env_text=env_text, launch=launch, ray_start=ray_start,
+    )  # fmt: skip
+
+
+# --- node scripts -------------------------------------------------------------------------------------
+
+
+def _script(purpose: str, lines: list[str]) -> str:
+    header = [
+        "#!/usr/bin/env bash",
+        f"# {purpose}",
+        "# Written by `verl-npu k8s render`; edit the inputs and render again.",
+        "set -euo pipefail",
+    ]
+    return "\n".join(header + lines) + "\n"
+
+
+_ULIMIT = 'ulimit -n 65536 || echo "open files limit stays at $(ulimit -n)" >&2  # as KubeRay raises it for Ray'
+
+
+def _launch_lines(cluster: Cluster) -> list[str]:
+    command = shlex.join(["bash", str(cluster.launch), *cluster.request.launch_args])
+    return [f"cd {shlex.quote(str(IMAGE_SOURCE))}", f"exec {command}"]
+
+
+def head_script(cluster: Cluster) -> str:
+    start = f"bash {shlex.quote(str(cluster.ray_start))} head"
+    if cluster.request.kind == "rayjob":
+        return _script(
+            "Ray head: ray_start.sh (Ray, then every NPU registered and an HCCL smoke test), then the marker the "
+            "RayJob's entrypoint waits for; the container lives as long as Ray.",
+            [_ULIMIT, start, f"touch {READY_MARKER}", "exec sleep infinity"],
+        )
+    return _script(
+        "Head of the Volcano job: ray_start.sh (Ray, then every NPU registered and an HCCL smoke test), then the "
+        "launch; the job completes with it.",
+        [_ULIMIT, start, *_launch_lines(cluster)],
+    )
+
+
+def worker_script(cluster: Cluster) -> str:
+    if cluster.request.kind == "rayjob":
+        head = ['head_host="$FQ_RAY_IP"  # set by KubeRay: the head service of this cluster']
+    else:
+        host = f"{cluster.name}-head-0.{cluster.name}"
+        head = [f"head_host={shlex.quote(host)}  # Volcano's svc plugin: <job>-<task>-<index>.<job>"]
+    return _script(
+        "Ray worker: wait for the head's Ray port, then ray_start.sh worker with the head's IP (ray_start.sh picks "
+        "this node's interface for HCCL from it).",
+        [
+            _ULIMIT,
+            *head,
+            f"deadline=$((SECONDS + {CLUSTER_WAIT_S}))",
+            'until head_ip="$(getent hosts "$head_host" | awk \'{print $1; exit}\')" && [[ -n "$head_ip" ]] \\',
+            f'    && (exec 3<>"/dev/tcp/$head_ip/{cluster.ray_port}") 2>/dev/null; do',
+            "  if ((SECONDS >= deadline)); then",
+            f'    echo "worker.sh: the Ray head $head_host:{cluster.ray_port} did not answer within '
+            f'{CLUSTER_WAIT_S} s" >&2',
+            "    exit 1",
+            "  fi",
+            "  sleep 5",
+            "done",
+            f'bash {shlex.quote(str(cluster.ray_start))} worker "$head_ip"',
+            "exec sleep infinity",
+        ],
+    )
+
+
+def entrypoint_script(cluster: Cluster) -> str:
+    total = cluster.nnodes * cluster.npus_per_node
+    return _script(
+        "The RayJob's entrypoint, on the head: wait until the head's ray_start.sh has seen every NPU, then the launch.",
+        [
+            f"deadline=$((SECONDS + {CLUSTER_WAIT_S}))",
+            f"until [[ -e {READY_MARKER} ]]; do",
+            "  if ((SECONDS >= deadline)); then",
+            f"    echo \"entrypoint.sh: the head's ray_start.sh did not see {total} NPUs ({cluster.nnodes} x "
+            f"{cluster.npus_per_node}) pass the HCCL smoke test within {CLUSTER_WAIT_S} s: see the head pod's "
+            'log" >&2',
+            "    exit 1",
+            "  fi",
+            "  sleep 10",
+            "done",
+            *_launch_lines(cluster),
+        ],
+    )
+
+
+# --- objects --------------------------------------------------------------------------------------
+
+
+def _labels(cluster: Cluster, role: str | None = None) -> dict[str, str]:
+    labels = {"app.kubernetes.io/name": "verl-npu", "app.kubernetes.io/instance": cluster.name}
+    if role:
+        labels["app.kubernetes.io/component"] = role
+    return labels
+
+
+def _metadata(cluster: Cluster, name: str, role: str | None = None) -> dict[str, Any]:
+    meta: dict[str, Any] = {"name": name}
+    if cluster.request.namespace:
+        meta["namespace"] = cluster.request.namespace
+    meta["labels"] = _labels(cluster, role)
+    return meta
+
+
+def _shared_volumes(cluster: Cluster, read_only: bool = False) -> tuple[list[dict], list[dict]]:
+    volumes, mounts = [], []
+    for index, (claim, mount) in enumerate(cluster.request.volumes):
+        volumes.append({"name": f"shared-{index}", "persistentVolumeClaim": {"claimName": claim}})
+        mounts.append({"name": f"shared-{index}", "mountPath": mount, **({"readOnly": True} if read_only else {})})
+    return volumes, mounts
+
+
+def _pull_secrets(cluster: Cluster) -> list[dict[str, str]]:
+    return [{"name": s} for s in cluster.request.pull_secrets]
+
+
+def _node_pod(cluster: Cluster, role: str, script: str) -> dict[str, Any]:
+    request = cluster.request
+    npu = {request.npu_resource: cluster.npus_per_node, "cpu": request.cpu, "memory": request.memory}
+    shared, shared_mounts = _shared_volumes(cluster)
+    volumes = [
+        {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": request.shm_size}},
+        {"name": "config", "configMap": {"name": cluster.config_map}},
+        *shared,
+        *({"name": f"host-{i}", "hostPath": {"path": p}} for i, p in enumerate(request.host_paths)),
+    ]
+    mounts = [
+        {"name": "dshm", "mountPath": "/dev/shm"},
+        {"name": "config", "mountPath": str(CONFIG_DIR), "readOnly": True},
+        *shared_mounts,
+        *({"name": f"host-{i}", "mountPath": p, "readOnly": True} for i, p in enumerate(request.host_paths)),
+    ]
+    env = [
+        {"name": "ENV_FILE", "value": str(cluster.env_path)},  # ray_start.sh and the example launch read it
+        {"name": "VERL_NPU_ENV_FILE", "value": str(cluster.env_path)},
+        # each pod holds a whole node's NPUs: the NPU check and `verl-npu doctor` fail a node that sees fewer
+        {"name": "VERL_NPU_EXPECT_NPUS", "value": str(cluster.npus_per_node)},
+        *({"name": k, "value": v} for k, v in cluster.env.items()),
+    ]
+    container: dict[str, Any] = {
+        "name": f"ray-{role}",
+        "image": cluster.image,
+        "imagePullPolicy": "IfNotPresent",  # the tag names one build (manifest + commit)
+        "command": [str(IMAGE_ENTRYPOINT), "bash", str(CONFIG_DIR / script)],
+        "env": env,
+        "resources": {"limits": dict(npu), "requests": dict(npu)},
+        "volumeMounts": mounts,
+    }
+    if role == "head":
+        container["ports"] = [
+            {"name": "gcs-server", "containerPort": cluster.ray_port},
+            {"name": "dashboard", "containerPort": DASHBOARD_PORT},
+            {"name": "client", "containerPort": CLIENT_PORT},
+        ]
+    spec: dict[str, Any] = {"imagePullSecrets": _pull_secrets(cluster), "containers": [container], "volumes": volumes}
+    metadata: dict[str, Any] = {"labels": _labels(cluster, role)}
+    if request.kind == "rayjob":
+        # KubeRay would replace the command with its own `ray start`; ray_start.sh starts Ray here.
+        metadata["annotations"] = {"ray.io/overwrite-container-cmd": "true"}
+    else:
+        spec["restartPolicy"] = "Never"
+        spec["activeDeadlineSeconds"] = request.deadline_s
+    return {"metadata": metadata, "spec": spec}
+
+
+def config_map(cluster: Cluster) -> dict[str, Any]:
+    data = {
+        cluster.env_file_name: cluster.env_text,
+        "head.sh": head_script(cluster),
+        "worker.sh": worker_script(cluster),
+    }
+    if cluster.request.kind == "rayjob":
+        data["entrypoint.sh"] = entrypoint_script(cluster)
+    return {"apiVersion": "v1", "kind": "ConfigMap", "metadata": _metadata(cluster, cluster.config_map), "data": data}
+
+
+def rayjob(cluster: Cluster) -> dict[str, Any]:
+    request = cluster.request
+    cluster_spec: dict[str, Any] = {
+        "rayVersion": cluster.ray_version,
+        "enableInTreeAutoscaling": False,
+        "headGroupSpec": {"rayStartParams": {}, "template": _node_pod(cluster, "head", "head.sh")},
+    }
+    workers = cluster.nnodes - 1
+    if workers:
+        cluster_spec["workerGroupSpecs"] = [
+            {
+                "groupName": "npu",
+                "replicas": workers,
+                "minReplicas": workers,
+                "maxReplicas": workers,
+                "rayStartParams": {},
+                "template": _node_pod(cluster, "worker", "worker.sh"),
+            }
+        ]
+    submitter = {
+        "metadata": {"labels": _labels(cluster, "submitter")},
+        "spec": {
+            "restartPolicy": "Never",
+            "imagePullSecrets": _pull_secrets(cluster),
+            "containers": [
+                {
+                    "name": "ray-job-submitter",  # KubeRay fills in the `ray job submit` command
+                    "image": cluster.image,
+                    "resources": {
+                        "requests": {"cpu": "500m", "memory": "512Mi"},
+                        "limits": {"cpu": "1", "memory": "1Gi"},
+                    },
+                }
+            ],
+        },
+    }
+    return {
+        "apiVersion": "ray.io/v1",
+        "kind": "RayJob",
+        "metadata": _metadata(cluster, cluster.name),
+        "spec": {
+            "entrypoint": f"bash {CONFIG_DIR / 'entrypoint.sh'}",
+            "submissionMode": "K8sJobMode",
+            "shutdownAfterJobFinishes": True,
+            "ttlSecondsAfterFinished": request.ttl_s,
+            "activeDeadlineSeconds": request.deadline_s,
+            "backoffLimit": 0,  # a failed multi-node run is investigated, not retried on 32 nodes
+            "submitterPodTemplate": submitter,
+            "rayClusterSpec": cluster_spec,
+        },
+    }
+
+
+def volcano_job(cluster: Cluster) -> dict[str, Any]:
+    request = cluster.request
+    tasks: list[dict[str, Any]] = [
+        {
+            "name": "head",
+            "replicas": 1,
+            "template": _node_pod(cluster, "head", "head.sh"),
+            "policies": [{"event": "TaskCompleted", "action": "CompleteJob"}],
+        }
+    ]
+    if cluster.nnodes > 1:
+        tasks.append(
+            {"name": "worker", "replicas": cluster.nnodes - 1, "template": _node_pod(cluster, "worker", "worker.sh")}
+        )
+    return {
+        "apiVersion": "batch.volcano.sh/v1alpha1",
+        "kind": "Job",
+        "metadata": _metadata(cluster, cluster.name),
+        "spec": {
+            "schedulerName": "volcano",
+            "queue": request.queue,
+            "minAvailable": cluster.nnodes,  # gang scheduling: all nodes or none
+            "maxRetry": 0,
+            "ttlSecondsAfterFinished": request.ttl_s,
+            # hostnames <job>-<task>-<index>.<job> for the workers to find the head
+            "plugins": {"svc": ["--publish-not-ready-addresses"]},
+            "policies": [{"event": "PodFailed", "action": "AbortJob"}, {"event": "PodEvicted", "action": "AbortJob"}],
+            "tasks": tasks,
+        },
+    }
+
+
+def results_pod(cluster: Cluster) -> dict[str, Any]:
+    """A small pod with the shared storage mounted, to copy results out (`kubectl cp`) whether or not
+    the Ray cluster still exists; it ends by itself an hour after the job's deadline."""
+    request = cluster.request
+    lifetime = request.deadline_s + 3600
+    volumes, mounts = _shared_volumes(cluster)  # writable: the run's scratch is removed through it
+    return {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": _metadata(cluster, f"{cluster.name}-results", "results"),
+        "spec": {
+            "restartPolicy": "Never",
+            "activeDeadlineSeconds": lifetime,
+            "imagePullSecrets": _pull_secrets(cluster),
+            "containers": [
+                {
+                    "name": "results",
+                    "image": cluster.image,
+                    "command": ["sleep", str(lifetime)],
+                    "resources": {
+                        "requests": {"cpu": "100m", "memory": "128Mi"},
+                        "limits": {"cpu": "1", "memory": "1Gi"},
+                    },
+                    "volumeMounts": mounts,
+                }
+            ],
+            "volumes": volumes,
+        },
+    }
+
+
+def render(request: Request) -> list[dict[str, Any]]:
+    """The objects of ``request``, checked by the validator (verl_npu.k8s.validate); RenderError on a bad input
+    or when the schemas cannot be loaded."""
+    cluster = resolve(request)
+    docs = [config_map(cluster), rayjob(cluster) if request.kind == "rayjob" else volcano_job(cluster)]
+    if request.results_pod:
+        docs.append(results_pod(cluster))
+    try:
+        problems = validate.validate_documents(docs, "rendered")
+    except validate.ManifestError as exc:  # the schemas are missing (kubernetes-validate not installed)
+        raise RenderError(f"cannot validate the manifests: {exc}") from None
+    if problems:  # a renderer bug, not a user error: say so
+        raise AssertionError("the rendered manifests do not validate:\n" + "\n".join(map(str, problems)))
+    return docs
+
+
+def dump(docs: list[dict[str, Any]]) -> str:
+    import yaml
+
+    class Dumper(yaml.SafeDumper):
+        pass
+
+    def text(dumper: yaml.SafeDumper, value: str) -> yaml.Node:
+        style = "|" if "\n" in value else None  # scripts and the env file stay readable
+        return dumper.represent_scalar("tag:yaml.org,2002:str", value, style=style)
+
+    Dumper.add_representer(str, text)
+    header = "# Rendered by `verl-npu k8s render`; edit its inputs (env file, launch, options) and render again.\n"
+    return header + yaml.dump_all(docs, Dumper=Dumper, sort_keys=False, default_flow_style=False, width=120)

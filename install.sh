@@ -51,26 +51,11 @@ done
 # --- target and Python -------------------------------------------------------------------------
 
 STEP="detect target"
-detect_target() {
-  if command -v npu-smi >/dev/null 2>&1; then
-    local info
-    info="$(npu-smi info 2>/dev/null || true)"
-    if grep -Eq '910_93|Ascend910_93|A3' <<<"$info"; then echo a3; return; fi
-    if grep -Eq '910B' <<<"$info"; then echo a2; return; fi
-    die "npu-smi is present but the chip is neither 910B (a2) nor 910_93 (a3); pass --target a2 or --target a3"
-  fi
-  echo dev
-}
-if [[ -z "$TARGET" ]]; then
-  TARGET="$(detect_target)"
-  log "no --target given; detected target: $TARGET"
-fi
-case " $VALID_TARGETS " in
-  *" $TARGET "*) ;;
-  *) die "unknown target '$TARGET'; valid targets: $VALID_TARGETS" ;;
-esac
-if [[ -z "$PREFIX" ]]; then
-  if [[ "$TARGET" == dev ]]; then PREFIX="$REPO_ROOT/.venv"; else PREFIX="/opt/verl-npu"; fi
+if [[ -n "$TARGET" ]]; then
+  case " $VALID_TARGETS " in
+    *" $TARGET "*) ;;
+    *) die "unknown target '$TARGET'; valid targets: $VALID_TARGETS" ;;
+  esac
 fi
 
 STEP="find Python"
@@ -99,6 +84,17 @@ find_python() {
 }
 if ! BASE_PYTHON="$(find_python)"; then
   die "Python $PY_VERSION not found on PATH nor under pyenv (\$PYENV_ROOT/versions/$PY_VERSION*). Install it, e.g. 'pyenv install $PY_VERSION', or put python$PY_VERSION on PATH"
+fi
+
+STEP="detect target"
+# One detector for install.sh, doctor and the runtime (verl_npu/stack/detect.py, standard library only).
+if [[ -z "$TARGET" ]]; then
+  TARGET="$(cd "$REPO_ROOT" && "$BASE_PYTHON" -m verl_npu.stack detect-target)" ||
+    die "the target could not be detected (message above); pass --target (one of: $VALID_TARGETS)"
+  log "no --target given; detected target: $TARGET"
+fi
+if [[ -z "$PREFIX" ]]; then
+  if [[ "$TARGET" == dev ]]; then PREFIX="$REPO_ROOT/.venv"; else PREFIX="/opt/verl-npu"; fi
 fi
 
 STEP="read manifest"

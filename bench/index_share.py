@@ -33,8 +33,6 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
 TOPK, LAYERS = 2048, 8
 GLM5_2_STAGE = ["full" if i < 3 or (i - 2) % 4 == 0 else "shared" for i in range(78)][10:18]
 
@@ -59,7 +57,7 @@ def build(kinds: list[str], seq: int):
     from transformers import GlmMoeDsaConfig
 
     import verl_npu.megatron_adaptor  # noqa: F401  (runtime patches)
-    from verl_npu.engine.glm5_model import build_glm5_model
+    from verl_npu.testing.glm5_model import build_glm5_model
 
     torch.manual_seed(0)
     tensor_parallel.model_parallel_cuda_manual_seed(0)

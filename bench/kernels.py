@@ -36,8 +36,6 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
 TOPK = 2048
 PER_HEAD = {"layout": "per-head keys (megatron 0.18 MLA)", "heads": 64, "kv_heads": 64, "hn": 256, "hnv": 256}
 ABSORBED = {"layout": "absorbed MLA (MQA)", "heads": 64, "kv_heads": 1, "hn": 576, "hnv": 512}

@@ -1,8 +1,7 @@
 """The benchmarks' megatron GPT: model + DDP + distributed optimizer, and one training step.
 
-Shared by bench/offload.py and bench/multi_device.py (the tests keep their own CPU-harness copy in
-tests_npu/support/cpu_megatron.py: benchmarks do not import from the tests). Model parallel state
-must already be initialised.
+Shared by bench/offload.py and bench/multi_device.py (the tests' CPU harness is
+verl_npu/testing/cpu_megatron.py). Model parallel state must already be initialised.
 """
 
 from __future__ import annotations

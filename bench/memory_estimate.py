@@ -23,7 +23,7 @@ Norms: the models use a norm that saves its input and the fp32 inverse RMS for b
 behaviour of fused norms (torch_npu.npu_rms_norm, TE) that the estimator assumes; megatron's local
 ``WrappedTorchNorm`` would run torch's composite RMSNorm, which saves fp32 copies of its input.
 
-``--device cpu`` is a dry run of the same code path on the CPU (tests_npu/support/cpu_megatron.py
+``--device cpu`` is a dry run of the same code path on the CPU (verl_npu/testing/cpu_megatron.py
 redirects megatron's CUDA calls); activations are then counted by a dispatch-mode tracker of live
 tensor storages instead of the CUDA allocator.
 
@@ -43,17 +43,14 @@ from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-
-from verl_npu.preflight.memory import (  # noqa: E402
+from verl_npu.preflight.memory import (
     Activations,
     Offload,
     Parallelism,
     Precision,
     estimate,
 )
-from verl_npu.preflight.model_shape import ModelShape  # noqa: E402
+from verl_npu.preflight.model_shape import ModelShape
 
 TOLERANCE = 0.10
 MODELS = {
@@ -416,8 +413,7 @@ def main() -> int:
 
 def init(device: str) -> None:
     if device == "cpu":
-        sys.path.insert(0, str(ROOT / "tests_npu" / "support"))
-        import cpu_megatron
+        from verl_npu.testing import cpu_megatron
 
         cpu_megatron.activate()
         cpu_megatron.init_model_parallel()
@@ -426,8 +422,7 @@ def init(device: str) -> None:
 
         fused_softmax.get_default_causal_mask = lambda sq: torch.triu(torch.ones(sq, sq), diagonal=1).bool()
         return
-    sys.path.insert(0, str(ROOT / "bench"))
-    from megatron_gpt import init_single_gpu
+    from megatron_gpt import init_single_gpu  # bench/ is on sys.path: the script's own folder
 
     init_single_gpu()
     for dtype in (torch.bfloat16, torch.float32):  # cuBLAS workspaces, one per thread (forward, autograd's backward)

@@ -25,8 +25,6 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from megatron_gpt import build_gpt, train_step
 
 LAYOUTS = {"dp2": dict(tp=1, ep=1, sp=False), "tp2_sp": dict(tp=2, ep=1, sp=True), "ep2": dict(tp=1, ep=2, sp=False)}
@@ -39,7 +37,7 @@ def build(seed: int, layout: dict, *, hidden: int = 256, layers: int = 3):
     from megatron.core.transformer.module import Float16Module
     from transformers import GlmMoeDsaConfig
 
-    from verl_npu.engine.glm5_model import build_glm5_model
+    from verl_npu.testing.glm5_model import build_glm5_model
 
     torch.manual_seed(seed)
     tensor_parallel.model_parallel_cuda_manual_seed(seed)

@@ -5,13 +5,12 @@ from __future__ import annotations
 import functools
 import importlib.util
 import socket
-import sys
 from pathlib import Path
 
 import pytest
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO_ROOT / "tests_npu"))
+# tests_npu/ is on sys.path through pytest (rootdir conftest, prepend import mode): `from support import ...`
 
 
 @functools.cache
@@ -55,8 +54,8 @@ def repo_root() -> Path:
 
 @pytest.fixture(scope="module")
 def cpu_megatron_harness():
-    """megatron's CUDA calls redirected to the CPU for one test module (tests_npu/support/cpu_megatron.py)."""
-    from support import cpu_megatron
+    """megatron's CUDA calls redirected to the CPU for one test module (verl_npu/testing/cpu_megatron.py)."""
+    from verl_npu.testing import cpu_megatron
 
     cpu_megatron.activate()
     cpu_megatron.init_model_parallel()

@@ -103,7 +103,7 @@ def test_index_share_runs_on_mindspeeds_fused_dsa_path():
 
     import verl_npu.megatron_adaptor  # noqa: F401  (runtime patches, IndexShare's MindSpeed wraps among them)
     from verl_npu.engine import index_share
-    from verl_npu.engine.glm5_model import build_glm5_model
+    from verl_npu.testing.glm5_model import build_glm5_model
 
     hf = _one_layer_per_kind_glm5_2()
     plan = _example_plan(hf, tp=1, cp=1)

@@ -368,43 +368,53 @@ class _VerlPatchReader:
         sources: dict[str, str] = {}  # local name -> the object whose normalised source it holds
         signatures: dict[str, str] = {}  # local name -> the object whose parameter names it holds
         for node in nodes:
-            if isinstance(node, ast.ImportFrom) and node.module:
-                for alias in node.names:
-                    scope[alias.asname or alias.name] = f"{node.module}.{alias.name}"
-            elif isinstance(node, ast.Import):
-                for alias in node.names:
-                    if alias.asname:
-                        scope[alias.asname] = alias.name
-                    elif alias.name.startswith(self.UPSTREAMS):
-                        self.imported.add(alias.name)
+            if isinstance(node, ast.ImportFrom | ast.Import):
+                self._visit_import(node, scope)
             elif isinstance(node, ast.Assign) and len(node.targets) == 1:
-                target, value = node.targets[0], node.value
-                if isinstance(target, ast.Attribute):
-                    dotted = self._dotted(target, scope)
-                    if self._upstream(dotted):
-                        self.replaced.add(dotted)
-                elif isinstance(target, ast.Name):
-                    if isinstance(value, ast.Constant | ast.Tuple):
-                        with contextlib.suppress(ValueError):  # a tuple of non-literals names nothing we follow
-                            scope[target.id] = ast.literal_eval(value)
-                    elif (read := self._source_read(value, scope)) is not None:
-                        sources[target.id] = read
-                    elif (read := self._signature_read(value, scope, signatures)) is not None:
-                        signatures[target.id] = read
-                    elif (dotted := self._dotted(value, scope)) is not None:
-                        scope[target.id] = dotted
+                self._visit_assign(node.targets[0], node.value, scope, sources, signatures)
             elif isinstance(node, ast.Compare) and len(node.ops) == 1:
                 self._compare(node, scope, sources, signatures)
             elif isinstance(node, ast.Call):
-                func = node.func
-                holder = func.value.id if isinstance(func, ast.Attribute) and isinstance(func.value, ast.Name) else None
-                if _attribute_name(func) == "endswith" and holder in sources:
-                    self.checks.add((sources[holder], "ends-with", self._text(node.args[0], scope)))
-                callee = getattr(func, "id", None)
-                if callee in self.functions and callee not in ("_normalized_source", name):
-                    params = [a.arg for a in self.functions[callee].args.args]
-                    passed = {p: self._dotted(a, scope) for p, a in zip(params, node.args, strict=False)}
-                    self._visit_function(callee, {k: v for k, v in passed.items() if v}, seen)
+                self._visit_call(name, node, scope, sources, seen)
+
+    def _visit_import(self, node, scope) -> None:
+        if isinstance(node, ast.ImportFrom):
+            if node.module:
+                for alias in node.names:
+                    scope[alias.asname or alias.name] = f"{node.module}.{alias.name}"
+            return
+        for alias in node.names:
+            if alias.asname:
+                scope[alias.asname] = alias.name
+            elif alias.name.startswith(self.UPSTREAMS):
+                self.imported.add(alias.name)
+
+    def _visit_assign(self, target, value, scope, sources, signatures) -> None:
+        if isinstance(target, ast.Attribute):
+            dotted = self._dotted(target, scope)
+            if self._upstream(dotted):
+                self.replaced.add(dotted)
+        elif isinstance(target, ast.Name):
+            if isinstance(value, ast.Constant | ast.Tuple):
+                with contextlib.suppress(ValueError):  # a tuple of non-literals names nothing we follow
+                    scope[target.id] = ast.literal_eval(value)
+            elif (read := self._source_read(value, scope)) is not None:
+                sources[target.id] = read
+            elif (read := self._signature_read(value, scope, signatures)) is not None:
+                signatures[target.id] = read
+            elif (dotted := self._dotted(value, scope)) is not None:
+                scope[target.id] = dotted
+
+    def _visit_call(self, name, node, scope, sources, seen) -> None:
+        func = node.func
+        holder = func.value.id if isinstance(func, ast.Attribute) and isinstance(func.value, ast.Name) else None
+        if _attribute_name(func) == "endswith" and holder in sources:
+            self.checks.add((sources[holder], "ends-with", self._text(node.args[0], scope)))
+        callee = getattr(func, "id", None)
+        if callee in self.functions and callee not in ("_normalized_source", name):
+            params = [a.arg for a in self.functions[callee].args.args]
+            passed = {p: self._dotted(a, scope) for p, a in zip(params, node.args, strict=False)}
+            self._visit_function(callee, {k: v for k, v in passed.items() if v}, seen)
 
     def _source_read(self, node: ast.AST, scope) -> str | None:
         if isinstance(node, ast.Call) and getattr(node.func, "id", None) == "_normalized_source":

@@ -8,10 +8,11 @@ import sys
 from pathlib import Path
 
 import pytest
-from test_doctor import NPU_SMI_A3, STACK, make_probe, make_tree, npu_smi_table, only
+from support.doctor_env import NPU_SMI_A3, STACK, make_probe, make_tree, npu_smi_table, only
 
-from verl_npu import doctor, doctor_report
+from verl_npu import doctor
 from verl_npu.doctor import FAIL, OK
+from verl_npu.doctor import report as doctor_report
 
 SECRETS = {
     "VERL_HF_TOKEN": "hf_abcdefghijklmnop",

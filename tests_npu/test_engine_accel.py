@@ -43,7 +43,7 @@ def tiny_glm5(seed: int, layout: str = "glm5"):
     from megatron.core.transformer.module import Float16Module
     from transformers import GlmMoeDsaConfig
 
-    from verl_npu.engine.glm5_model import build_glm5_model
+    from verl_npu.testing.glm5_model import build_glm5_model
 
     torch.manual_seed(seed)
     tensor_parallel.model_parallel_cuda_manual_seed(seed)
@@ -76,15 +76,15 @@ def batch(step: int):
 
 
 def train_step(ddp, optimizer, step: int) -> float:
-    from support.cpu_megatron import run_step  # the step itself is device-neutral
+    from verl_npu.testing.cpu_megatron import run_step  # the step itself is device-neutral
 
     return run_step(ddp, optimizer, *batch(step))
 
 
 @pytest.mark.parametrize("layout", sorted(LAYOUTS))
 def test_five_steps_with_full_offload_cycles_equal_the_no_offload_run(device, layout):
+    from verl_npu.engine.modules import RMSNorm
     from verl_npu.engine.offload import OffloadManager
-    from verl_npu.ops.rmsnorm import RMSNorm
 
     ddp, optimizer = tiny_glm5(3, layout)
     assert any(isinstance(m, RMSNorm) for m in ddp.modules()), "fused RMSNorm was not wired in"
@@ -138,7 +138,7 @@ def test_checkpoint_while_offloaded_then_restore_and_resume_gives_identical_loss
 
 
 def test_leak_sentinel_zero_growth_with_detached_outputs_and_growth_without(device):
-    from verl_npu.engine.leak_sentinel import measure_growth
+    from verl_npu.testing.leak_sentinel import measure_growth
 
     ddp, _optimizer = tiny_glm5(9)
     kept: list[torch.Tensor] = []

@@ -214,7 +214,7 @@ def test_config_mapping_follows_glm5_and_agrees_with_the_test_model_mapping():
     from transformers import GlmMoeDsaConfig
 
     from verl_npu.engine.bridges.glm5 import GLM5Bridge
-    from verl_npu.engine.glm5_model import transformer_config_from_hf
+    from verl_npu.testing.glm5_model import transformer_config_from_hf
 
     glm5 = GlmMoeDsaConfig(first_k_dense_replace=3)  # GLM-5's shape; mlp_layer_types: 3 dense, then MoE
     config = GLM5Bridge(glm5).config
@@ -236,7 +236,7 @@ def test_config_mapping_follows_glm5_and_agrees_with_the_test_model_mapping():
     assert config.moe_router_num_groups is None  # n_group=1: no group-limited routing
     assert config.layernorm_epsilon == 1e-5 and config.normalization == "RMSNorm" and not config.add_bias_linear
 
-    # the GLM-5 test model (verl_npu.engine.glm5_model) builds the same shapes from the same HF config
+    # the GLM-5 test model (verl_npu.testing.glm5_model) builds the same shapes from the same HF config
     ours = GLM5Bridge(GlmMoeDsaConfig(**TINY)).config
     test_model = transformer_config_from_hf(GlmMoeDsaConfig(**TINY))
     shape = (
@@ -376,7 +376,7 @@ import json, os
 import torch
 import torch.distributed as dist
 import verl_npu.megatron_adaptor  # noqa: F401  (DSA on the local spec and on CPU; the GLM-5 registration)
-from support import cpu_megatron
+from verl_npu.testing import cpu_megatron
 
 cpu_megatron.activate()
 rank, (tp, ep, etp) = int(os.environ["RANK"]), json.loads(os.environ["LAYOUT"])

@@ -6,8 +6,8 @@ import torch
 from transformers import GlmMoeDsaConfig
 
 import verl_npu.megatron_adaptor  # noqa: F401  (runtime patches: DSA on the local spec, Hadamard, CPU init)
-from verl_npu.engine.glm5_model import build_glm5_model, transformer_config_from_hf
-from verl_npu.ops.rmsnorm import RMSNorm
+from verl_npu.engine.modules import RMSNorm
+from verl_npu.testing.glm5_model import build_glm5_model, transformer_config_from_hf
 
 HF = GlmMoeDsaConfig(
     vocab_size=128, hidden_size=128, num_hidden_layers=2, num_attention_heads=4, intermediate_size=256,
@@ -91,3 +91,25 @@ def test_no_grad_log_probs_pick_the_indexer_top_k_without_dense_scores(cpu_megat
     for b in range(2):  # the same keys by score (ties aside)
         torch.testing.assert_close(scores[b].gather(-1, chunked[b]).sort(-1).values,
                                    scores[b].gather(-1, topk[b]).sort(-1).values)  # fmt: skip
+
+
+def test_the_test_model_config_is_the_bridges_except_for_its_named_overrides(cpu_megatron_harness):
+    import dataclasses
+
+    from verl_npu.engine.bridges.glm5 import GLM5Bridge
+    from verl_npu.testing.glm5_model import TEST_MODEL_OVERRIDES
+
+    # what mbridge's base config sets for a training run rather than for the model (dtype, fusions, p2p)
+    runtime = {"bf16", "params_dtype", "autocast_dtype", "pipeline_dtype", "variable_seq_lengths",
+               "batch_p2p_comm", "masked_softmax_fusion"}  # fmt: skip
+    tiny = dict(HF.to_diff_dict(), num_key_value_heads=HF.num_attention_heads)  # MLA: no grouped KV heads
+    for hf in (GlmMoeDsaConfig(), GlmMoeDsaConfig(**tiny)):
+        bridge, test_model = GLM5Bridge(hf).config, transformer_config_from_hf(hf)
+        differ = {
+            f.name
+            for f in dataclasses.fields(bridge)
+            if repr(getattr(bridge, f.name)) != repr(getattr(test_model, f.name))
+        }
+        assert differ - runtime == set(TEST_MODEL_OVERRIDES)
+        assert {k: getattr(test_model, k) for k in TEST_MODEL_OVERRIDES} == TEST_MODEL_OVERRIDES
+    assert test_model.moe_token_dispatcher_type == "allgather" and test_model.moe_router_score_function == "softmax"

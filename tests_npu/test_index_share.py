@@ -13,7 +13,7 @@ from transformers import GlmMoeDsaConfig
 
 import verl_npu.megatron_adaptor  # noqa: F401  (runtime patches)
 from verl_npu.engine import index_share
-from verl_npu.engine.glm5_model import build_glm5_model
+from verl_npu.testing.glm5_model import build_glm5_model
 
 KINDS = ["full" if i < 3 or (i - 2) % 4 == 0 else "shared" for i in range(8)]
 HF = GlmMoeDsaConfig(

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from verl_npu.engine.leak_sentinel import measure_growth
+from verl_npu.testing.leak_sentinel import measure_growth
 
 
 def test_flat_memory_after_warmup_is_no_leak():

@@ -121,7 +121,7 @@ def test_thd_refuses_what_it_does_not_implement(overrides, call, message):
 def test_layernorm_marks_its_parameters_for_the_sequence_parallel_all_reduce():
     from megatron.core.transformer.transformer_config import TransformerConfig
 
-    from verl_npu.ops.layernorm import LayerNorm
+    from verl_npu.engine.modules import LayerNorm
 
     config = TransformerConfig(
         num_layers=1, hidden_size=64, num_attention_heads=4, use_cpu_initialization=True,
@@ -137,11 +137,10 @@ def test_layernorm_marks_its_parameters_for_the_sequence_parallel_all_reduce():
 def test_local_spec_uses_both_modules_for_glm5_shapes():
     from transformers import GlmMoeDsaConfig
 
-    from verl_npu.engine.glm5_model import transformer_config_from_hf
     from verl_npu.engine.layer_spec import local_decoder_block_spec
+    from verl_npu.engine.modules import LayerNorm, RMSNorm
     from verl_npu.engine.packed_attention import PackedDotProductAttention
-    from verl_npu.ops.layernorm import LayerNorm
-    from verl_npu.ops.rmsnorm import RMSNorm
+    from verl_npu.testing.glm5_model import transformer_config_from_hf
 
     hf = GlmMoeDsaConfig(
         vocab_size=64, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=128,

@@ -11,10 +11,11 @@ import logging
 
 import pytest
 import torch
-from support import cpu_megatron, offload_tensors
+from support import offload_tensors
 
 from verl_npu.engine.host_arena import ARENA_ENV, CHUNKED, PAGEABLE, power_of_two_chunks
 from verl_npu.engine.offload import KINDS, OffloadManager, _optimizers
+from verl_npu.testing import cpu_megatron
 
 
 def state_bytes(ddp, optimizer) -> dict[str, torch.Tensor]:

@@ -224,7 +224,7 @@ def test_tensor_parallel_heads_are_all_reduced_as_megatron_does(tmp_path):
 
 @pytest.fixture(scope="module")
 def model_parallel_cpu():
-    from support import cpu_megatron
+    from verl_npu.testing import cpu_megatron
 
     cpu_megatron.init_model_parallel()
 

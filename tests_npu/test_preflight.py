@@ -11,8 +11,9 @@ from pathlib import Path
 import pytest
 
 from verl_npu.contracts.vllm_ascend import GLM52_PATCH_VARIABLE
-from verl_npu.preflight import FROM_BESIDE_SCRIPT, FROM_NAME, resolve_model, run_preflight
+from verl_npu.preflight import run_preflight
 from verl_npu.preflight.checks import FAIL, OK, WARN
+from verl_npu.preflight.model import FROM_BESIDE_SCRIPT, FROM_NAME, resolve_model
 
 REPO = Path(__file__).resolve().parent.parent
 EXAMPLE = REPO / "examples" / "glm5_2"
@@ -535,3 +536,48 @@ def test_without_the_fused_dsa_operators_the_chunked_dsa_patches_working_set_is_
     # one query chunk's working set (four fp32 score-sized tensors at most) in place of the fused operators'
     # saved softmax statistics: a bounded difference, where megatron's dense DSA would add 256 GiB per layer
     assert max(grew) > 0 and all(0 <= g <= 4 * 4 * DSA_ATTENTION_CHUNK_ELEMENTS for g in grew), grew
+
+
+def test_an_fp8_first_moment_is_counted_as_one_byte_in_the_memory_estimate():
+    """The build plan accepts optim.exp_avg_dtype=fp8; the memory estimate counts it as fp8, not as fp32.
+
+    verl 0.9.1's own McoreOptimizerConfig lists no fp8 (its validation is the one failure), but the engine's build
+    plan takes it, and the estimate must count what the plan builds.
+    """
+    bf16 = run_preflight(LAUNCH)
+    fp8 = run_preflight(LAUNCH, ["actor_rollout_ref.actor.optim.exp_avg_dtype=fp8"])
+    assert [(area, name) for area, name, _ in failures(fp8)] == [("config", "verl-validation")], failures(fp8)
+    assert "fp8" in failures(fp8)[0][2]
+    for a, b in zip(bf16.memory.stages, fp8.memory.stages, strict=True):
+        assert "exp_avg fp8" in b.details["optimizer"], b.details["optimizer"]
+        # per parameter: int16 remainders + exp_avg + bf16 exp_avg_sq = 2 + 2 + 2 bytes, then 2 + 1 + 2
+        assert abs(b.train["optimizer"] * 6 - a.train["optimizer"] * 5) <= 12, (a.train, b.train)
+
+
+def test_the_memory_estimate_runs_the_dsa_kernel_the_build_plan_chose():
+    """Switches spelled 1 turn MindSpeed's fused DSA on in the build plan: the estimate counts the fused kernel."""
+    from verl_npu.contracts.mindspeed import DSA_SWITCHES
+
+    otc = "actor_rollout_ref.actor.megatron.override_transformer_config"
+    fused = run_preflight(LAUNCH)
+    ones = run_preflight(LAUNCH, [f"{otc}.{flag}=1" for flag in DSA_SWITCHES])
+    plan = next(c for c in ones.checks if c.name == "actor-build-plan").message
+    assert "dsa_fused_operators" in plan, plan
+    assert [s.train for s in ones.memory.stages] == [s.train for s in fused.memory.stages]
+
+
+def test_a_launch_breaking_several_engine_rules_gets_them_all_in_one_run():
+    otc = "actor_rollout_ref.actor.megatron.override_transformer_config"
+    report = run_preflight(
+        LAUNCH,
+        [
+            f"+{otc}.qk_layernorm=False",
+            f"+{otc}.apply_rope_fusion=True",
+            "actor_rollout_ref.actor.optim.main_grads_dtype=fp16",
+            "actor_rollout_ref.actor.optim.exp_avg_sq_dtype=fp64",
+        ],
+    )
+    engine = [message for area, name, message in failures(report) if name == "actor-build-plan"]
+    for rule in ("qk_layernorm", "apply_rope_fusion", "main_grads_dtype=fp16", "exp_avg_sq_dtype=fp64"):
+        assert any(rule in message for message in engine), (rule, engine)
+    assert report.memory is None  # no estimate without the actor's build plan

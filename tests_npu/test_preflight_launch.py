@@ -10,6 +10,8 @@ from pathlib import Path
 
 import pytest
 
+pytest.importorskip("tree_sitter_bash", reason="the launch reader parses bash with tree-sitter; not installed here")
+
 from verl_npu.preflight.launch import (
     Finding,
     Launch,

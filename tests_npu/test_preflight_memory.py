@@ -213,27 +213,51 @@ def test_host_ram_on_ascend_is_each_arenas_power_of_two_chunks_not_one_rounded_b
         estimate(DENSE, platform="npu")
 
 
-def test_a_launch_estimate_counts_host_ram_on_its_platform():
+def launch_estimate(optim: dict, platform: str = "ascend", **megatron):
+    """preflight's memory estimate of a one-device launch of DENSE, through the actor's build plan on ``platform``."""
+    from verl_npu.engine.build_plan import build_plan
     from verl_npu.preflight.memory_plan import estimate_launch
     from verl_npu.preflight.mesh import TrainMesh
+    from verl_npu.preflight.pipeline import target
 
-    megatron = {"param_offload": True, "optimizer_offload": True}
+    megatron = {"vanilla_mbridge": True, **megatron}
     config = {
         "actor_rollout_ref": {
-            "actor": {"megatron": megatron, "ppo_micro_batch_size_per_gpu": 1, "ppo_mini_batch_size": 2},
+            "actor": {
+                "megatron": megatron,
+                "optim": optim,
+                "ppo_micro_batch_size_per_gpu": 1,
+                "ppo_mini_batch_size": 2,
+            },
             "rollout": {"n": 1, "gpu_memory_utilization": 0.5},
         },
         "data": {"max_prompt_length": 64, "max_response_length": 64},
         "trainer": {"n_gpus_per_node": 8},
     }
     mesh = TrainMesh("actor", 1, 1, 1, 1, 1, 1, False, None, None, None)
+    plan = build_plan(megatron, optim, {"rms_norm_eps": 1e-6}, platform)
+    return estimate_launch(config, DENSE, mesh, plan, target("a3", platform))[0]
+
+
+def test_a_launch_estimate_counts_host_ram_on_its_platform():
     host = {
-        platform: estimate_launch(config, DENSE, mesh, chip="a3", platform=platform)[0].stages[0].host_bytes
+        platform: launch_estimate({}, platform, param_offload=True, optimizer_offload=True).stages[0].host_bytes
         for platform in ("ascend", "cuda")
     }
     stage = estimate(DENSE, offload=Offload(True, True), platform="cuda").stages[0]
     assert host["cuda"] == stage.train["weights"] + stage.train["optimizer"]
     assert host["ascend"] == sum(power_of_two_chunks(stage.train[k]).nbytes for k in ("weights", "optimizer"))
+
+
+@pytest.mark.parametrize("spelling", ["fp8", "bf16", "bfloat16", "16", "32", "float32"])
+def test_the_launch_estimate_counts_each_moment_dtype_spelling_the_build_plan_accepts(spelling):
+    """One alias table (verl_npu.dtypes): an fp8 moment is 1 byte in the estimate, not the fp32 default."""
+    from verl_npu.dtypes import nbytes
+
+    optim = {"use_precision_aware_optimizer": True, "exp_avg_dtype": spelling}
+    stage = launch_estimate(optim, "ascend").stages[0]
+    # int16 main-param remainders (bf16 params), exp_avg in ``spelling``, fp32 exp_avg_sq; one rank: no sharding
+    assert stage.train["optimizer"] == stage.params * (2 + nbytes(spelling) + 4)
 
 
 def test_host_ram_per_node_sums_the_ranks_of_two_stages():

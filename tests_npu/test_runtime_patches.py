@@ -154,7 +154,7 @@ def test_the_extension_rotates_where_installed_and_a_glm5_indexshare_layer_does_
 @pytest.fixture(scope="module")
 def model_parallel_cpu():
     """torch.distributed (gloo, world size 1) and megatron's model-parallel groups, without the CUDA harness."""
-    from support import cpu_megatron
+    from verl_npu.testing import cpu_megatron
 
     cpu_megatron.init_model_parallel()
 
@@ -281,3 +281,30 @@ def test_the_indexer_loss_is_skipped_exactly_when_its_coefficient_is_zero(monkey
         assert torch.equal(mine, torch.zeros_like(ref)) and torch.equal(ref, torch.zeros_like(ref))
     again = dsa.fwd_fused_indexer_loss_naive(*args, 0.5, mask, False, group)  # a real loss: megatron's code
     assert torch.equal(again[0], with_loss[0]) and again[1].item() == with_loss[1].item() > 0
+
+
+# --- the registry --------------------------------------------------------------------------------
+
+
+def test_every_patch_module_exports_a_patches_tuple_and_the_registry_is_exactly_theirs():
+    import pkgutil
+
+    from verl_npu import runtime_patches
+    from verl_npu.runtime_patches import _targets
+
+    names = {m.name for m in pkgutil.iter_modules(runtime_patches.__path__) if not m.name.startswith("_")}
+    assert {m.__name__.rsplit(".", 1)[1] for m in runtime_patches.MODULES} == names, "a patch module is not registered"
+    for module in runtime_patches.MODULES:
+        assert isinstance(module.PATCHES, tuple) and module.PATCHES, module.__name__
+    assert tuple(p for m in runtime_patches.MODULES for p in m.PATCHES) == runtime_patches.ALL
+    assert len({p.id for p in runtime_patches.ALL}) == len(runtime_patches.ALL)
+    # the shared facts are the ones the declarations use
+    megatron = [p for p in runtime_patches.ALL if "megatron-core" in p.requires]
+    assert megatron and all(p.requires["megatron-core"] == _targets.MEGATRON_CORE["megatron-core"] for p in megatron)
+
+
+def test_the_megatron_core_gate_is_the_pinned_release():
+    from verl_npu.runtime_patches._targets import MEGATRON_CORE
+    from verl_npu.stack import load_stack
+
+    assert MEGATRON_CORE["megatron-core"] == "==" + load_stack().expected_versions("dev")["megatron-core"]

@@ -130,8 +130,8 @@ def test_verl_builds_our_engine_on_the_local_spec_and_matches_the_hf_model(model
     from verl.utils import tensordict_utils as tu
     from verl.workers.utils.padding import no_padding_2_padding
 
+    from verl_npu.engine.modules import RMSNorm
     from verl_npu.engine.verl_engine import NPUMegatronEngineWithLMHead
-    from verl_npu.ops.rmsnorm import RMSNorm
 
     engine = new_engine(model_dir, offload=False)
     assert type(engine) is NPUMegatronEngineWithLMHead

@@ -16,8 +16,6 @@ from verl_npu.contracts.spec import COMPONENTS as CONTRACT_COMPONENTS
 from verl_npu.stack import matrix
 from verl_npu.stack.manifest import MANIFEST_PATH, TARGETS, Stack, StackError, load_stack
 
-_STATUS_STYLE = {doctor.OK: "green", doctor.WARN: "yellow", doctor.FAIL: "bold red"}
-
 
 def _console() -> Console:
     return Console(soft_wrap=False, width=max(Console().width, 120))
@@ -73,7 +71,7 @@ def cmd_doctor(args: argparse.Namespace) -> int:
     stack = load_stack(args.manifest)
     report = doctor.diagnose(probe, stack, layer=layer, ray=not args.no_ray)
     if args.report is not None:
-        from verl_npu import doctor_report
+        from verl_npu.doctor import report as doctor_report
 
         text = doctor_report.render(report, probe, stack, layer_requested=layer)
         if args.report == "-":
@@ -84,19 +82,9 @@ def cmd_doctor(args: argparse.Namespace) -> int:
     elif args.json:
         print(json.dumps(report.to_dict(), indent=2))
     else:
-        table = Table(title=f"verl-npu doctor: {report.platform.detail} (target {report.target})")
-        table.add_column("check")
-        table.add_column("status")
-        table.add_column("detail", overflow="fold")
-        table.add_column("fix", overflow="fold")
-        for f in report.findings:
-            style = _STATUS_STYLE[f.status]
-            table.add_row(f.check, f"[{style}]{f.status}[/]", f.detail, f.fix)
         console = _console()
-        console.print(table)
-        fails = sum(f.status == doctor.FAIL for f in report.findings)
-        warns = sum(f.status == doctor.WARN for f in report.findings)
-        console.print(f"{fails} failed, {warns} warnings, {len(report.findings) - fails - warns} ok")
+        console.print(report.table())
+        console.print(report.summary())
     return 1 if report.failed else 0
 
 
@@ -193,15 +181,8 @@ def cmd_ci_compare(args: argparse.Namespace) -> int:
     except cmp.CompareError as exc:
         print(f"verl-npu ci compare: {exc}", file=sys.stderr)
         return 2
-    table = Table(
-        title=f"{baseline.job}: {args.log} vs {args.baseline} (steps {baseline.window[0]}-{baseline.window[1]})"
-    )
-    for column in ("metric", "baseline", "current", "delta", "limit", "verdict"):
-        table.add_column(column, justify="left" if column in ("metric", "limit", "verdict") else "right")
-    for row in rows:
-        verdict = "[green]ok[/]" if row.verdict == "ok" else "[bold red]REGRESSION[/]"
-        table.add_row(row.metric, f"{row.baseline:.6g}", f"{row.current:.6g}", f"{row.delta:+.6g}", row.limit, verdict)
-    _console().print(table)
+    first, last = baseline.window
+    _console().print(cmp.table(rows, f"{baseline.job}: {args.log} vs {args.baseline} (steps {first}-{last})"))
     regressions = [r for r in rows if r.verdict != "ok"]
     if args.json:
         Path(args.json).write_text(json.dumps({

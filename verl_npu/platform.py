@@ -1,21 +1,21 @@
-"""Which accelerator this process runs on: ascend, cuda or cpu."""
+"""Which accelerator this process runs on: ascend, cuda or cpu.
+
+The platform kinds and the node's NPU device files come from the one node detector,
+verl_npu.stack.detect (install.sh's and doctor's too); this module adds what only a running process
+knows: whether torch_npu loads and sees an NPU.
+"""
 
 from __future__ import annotations
 
-import glob
 import importlib.util
 import os
 
 from verl_npu.errors import CANNEnvironmentError, warn_loudly
+from verl_npu.stack.detect import KINDS, NPU_DEVICE_FILES, npu_device_files
 
 PLATFORM_ENV = "VERL_NPU_PLATFORM"
 SET_ENV = "/usr/local/Ascend/ascend-toolkit/set_env.sh"
-NPU_DEVICE_FILES = "/dev/davinci[0-9]*"
-
-
-def npu_device_files(pattern: str = NPU_DEVICE_FILES) -> list[str]:
-    """The NPU device nodes of this node or container (what Ray also counts when acl is absent)."""
-    return sorted(glob.glob(pattern))
+__all__ = ["KINDS", "NPU_DEVICE_FILES", "PLATFORM_ENV", "SET_ENV", "detect", "npu_device_files"]
 
 
 def detect(device_files: list[str] | None = None) -> str:
@@ -27,8 +27,8 @@ def detect(device_files: list[str] | None = None) -> str:
     """
     forced = os.environ.get(PLATFORM_ENV)
     if forced:
-        if forced not in ("ascend", "cuda", "cpu"):
-            raise ValueError(f"{PLATFORM_ENV}={forced!r}; use ascend, cuda or cpu")
+        if forced not in KINDS:
+            raise ValueError(f"{PLATFORM_ENV}={forced!r}; use {', '.join(KINDS[:-1])} or {KINDS[-1]}")
         return forced
     import torch
 

@@ -13,7 +13,7 @@ micro-batch's forward-only top-k per DSA layer to WORKDIR/rank<R>-of-<WORLD>.pt.
 ``--no-carry`` removes the pipeline top-k patches (the test shows the run then fails);
 ``--stale-carry`` hands each micro-batch after the first the top-k received for the one before (a
 top-k that survived into the next micro-batch; the test shows the results then differ). Uses the
-CPU harness of tests_npu/support/cpu_megatron.py.
+CPU harness of verl_npu/testing/cpu_megatron.py.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from support import cpu_megatron
+from verl_npu.testing import cpu_megatron
 
 
 def _global_name(name: str, offset: int, first_expert: int = 0) -> str:
@@ -76,7 +76,7 @@ def main(
     from test_index_share import HF, SEQ
 
     import verl_npu.megatron_adaptor  # noqa: F401  (runtime patches)
-    from verl_npu.engine.glm5_model import build_glm5_model
+    from verl_npu.testing.glm5_model import build_glm5_model
 
     pp = world // tp
     parallel_state.initialize_model_parallel(

@@ -22,6 +22,9 @@ import re
 from pathlib import Path
 from typing import Any
 
+from verl_npu.checks import FAIL, OK, Check, Column, status_markup
+from verl_npu.checks import table as checks_table
+
 _CONSOLE = re.compile(r"(?:^|\s)step:(\d+) - (.*)$")
 _NUMPY_SCALAR = re.compile(r"^np\.\w+\((.*)\)$")
 LIMIT_KINDS = ("absolute", "relative")
@@ -212,6 +215,9 @@ def read_baseline(path: str | Path) -> Baseline:
 
 
 # --- comparing -----------------------------------------------------------------------------------
+VERDICTS = {OK: "ok", FAIL: "regression"}  # the shared check status -> the word in the JSON report
+
+
 @dataclasses.dataclass(frozen=True)
 class Row:
     metric: str
@@ -220,6 +226,32 @@ class Row:
     delta: float
     limit: str
     verdict: str  # "ok" or "regression"
+
+    @property
+    def status(self) -> str:
+        """The verdict in the shared check vocabulary (verl_npu.checks): a regression fails."""
+        return OK if self.verdict == VERDICTS[OK] else FAIL
+
+    def to_check(self) -> Check:
+        detail = (
+            f"window mean {self.current:.6g} vs baseline {self.baseline:.6g} ({self.delta:+.6g}; limit {self.limit})"
+        )
+        return Check(f"metric.{self.metric}", self.status, detail)
+
+
+COLUMNS = (
+    Column("metric", lambda r: r.metric),
+    Column("baseline", lambda r: f"{r.baseline:.6g}", justify="right"),
+    Column("current", lambda r: f"{r.current:.6g}", justify="right"),
+    Column("delta", lambda r: f"{r.delta:+.6g}", justify="right"),
+    Column("limit", lambda r: r.limit),
+    Column("verdict", lambda r: status_markup(r.status, None if r.status == OK else "REGRESSION"), markup=True),
+)
+
+
+def table(rows: list[Row], title: str):
+    """The comparison as the shared check table, one row per metric (``verl-npu ci compare`` prints it)."""
+    return checks_table(rows, title, COLUMNS)
 
 
 def compare(log: str | Path, baseline: Baseline) -> list[Row]:
@@ -237,7 +269,7 @@ def compare(log: str | Path, baseline: Baseline) -> list[Row]:
         bad = (low is not None and current < low) or (high is not None and current > high)
         rows.append(
             Row(metric, reference, current, current - reference, baseline.limits[metric].describe(),
-                "regression" if bad else "ok")
+                VERDICTS[FAIL if bad else OK])
         )  # fmt: skip
     return rows
 

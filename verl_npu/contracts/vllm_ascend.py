@@ -98,7 +98,7 @@ CONTRACTS = (
         relied_on=f"vLLM's sleep mode (CaMemAllocator, verl's default enable_sleep_mode=True) asserts that "
         f"{ALLOC_CONF_VARIABLE} does not contain {EXPANDABLE_SEGMENTS}",
         used_by="docker/Dockerfile.*, verl_npu/runtime_patches/ray_runtime_env.py, ci/nightly/nightly.env (never set "
-        "it); verl_npu/doctor.py and verl_npu/preflight (flag it)",
+        "it); verl_npu/doctor and verl_npu/preflight (flag it)",
         expects=(
             Expect(f'os.environ.get("{ALLOC_CONF_VARIABLE}", "")', "reads the allocator configuration"),
             Expect(f'assert "{EXPANDABLE_SEGMENTS}" not in conf', "refuses expandable segments"),
@@ -114,7 +114,7 @@ CONTRACTS = (
         sha256="6a9f20cd1f4281bfe7b578089df2d61cc3fa2a165e80ef2a0eb0b868ffd83464",
         relied_on=f"vllm-ascend turns {EXPANDABLE_SEGMENTS} on by itself only when sleep mode is off, and says not "
         "to set it for RL (sleep mode)",
-        used_by="verl_npu/doctor.py and verl_npu/preflight (the fix they suggest: leave it unset)",
+        used_by="verl_npu/doctor and verl_npu/preflight (the fix they suggest: leave it unset)",
         expects=(
             Expect("if model_config and not model_config.enable_sleep_mode:", "only without sleep mode"),
             Expect("We should not set this environment variable in RL (sleep mode) scenarios.", "the upstream advice"),

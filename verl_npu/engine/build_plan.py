@@ -27,9 +27,11 @@ from verl_npu.contracts.mindspeed import (
     FUSED_KL_ATTENTION_HEADS,
 )
 from verl_npu.contracts.torch_npu import INDEXER_SPARSE_COUNTS
+from verl_npu.dtypes import DtypeError, parse
 from verl_npu.engine.glm5_config import FULL, MODEL_TYPE, SHARED
 
 OTC = "override_transformer_config"
+PLATFORMS = ("ascend", "cuda", "cpu")
 DSA_FUSED_FLAGS = DSA_FUSED_OPERATORS
 KV_ALLGATHER = DSA_CP_ALGORITHM
 # Keys that MindSpeed reads from its arguments; megatron-core's TransformerConfig has no such field.
@@ -54,20 +56,6 @@ FUSED_DSA_INDEXER_HEADS = (8, 16, 32, 64)
 FUSED_DSA_INDEXER_HEAD_DIM = 128
 FUSED_DSA_TOPK = tuple(k for k in range(1024, 8193, 1024) if k in INDEXER_SPARSE_COUNTS)
 FUSED_DSA_HEADS_PER_DEVICE = (1, 2, 4, 8, 16, 32, 64, 128)
-
-
-_DTYPE_ALIASES = {
-    "None": "fp32",
-    "32": "fp32",
-    "float32": "fp32",
-    "fp32": "fp32",
-    "bfloat16": "bf16",
-    "bf16": "bf16",
-    "float16": "fp16",
-    "16": "fp16",
-    "fp16": "fp16",
-    "fp8": "fp8",
-}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -191,6 +179,18 @@ class BuildPlan:
     notes: tuple[str, ...]
     # settings that are valid but do nothing on this platform (preflight reports them as warnings)
     warnings: tuple[str, ...] = ()
+    # the optimizer's PRECISIONS keys, canonical (verl_npu.dtypes): what preflight's memory estimate counts
+    optimizer_dtypes: Mapping[str, str] = dataclasses.field(default_factory=dict)
+
+    @property
+    def flash_attention(self) -> bool:
+        """MindSpeed's flash attention (npu_fusion_attention): on Ascend unless use_flash_attn is off."""
+        return bool(self.mindspeed_repatch and self.mindspeed_repatch.get("use_flash_attn"))
+
+    @property
+    def fused_dsa(self) -> bool:
+        """MindSpeed's fused DSA operators replace DSAttention (else verl-npu's dsa-* patches run it)."""
+        return "dsa_fused_operators" in self.features
 
 
 def _get(obj: Any, key: str, default: Any = None) -> Any:
@@ -221,7 +221,7 @@ def build_plan(engine_config: Any, optimizer_config: Any, hf_config: Any, platfo
 
     Every violated rule is collected and raised together in one :class:`BuildPlanError`.
     """
-    if platform not in ("ascend", "cuda", "cpu"):
+    if platform not in PLATFORMS:
         raise BuildPlanError([f"platform {platform!r}: must be ascend, cuda or cpu"])
     problems = _Problems()
     if not _get(engine_config, "vanilla_mbridge", False) and importlib.util.find_spec("megatron.bridge") is None:
@@ -248,6 +248,7 @@ def build_plan(engine_config: Any, optimizer_config: Any, hf_config: Any, platfo
         rmsnorm_impl=plan.rmsnorm_impl,
         notes=tuple(plan.notes),
         warnings=tuple(plan.warnings),
+        optimizer_dtypes=plan.optimizer_dtypes,
     )
 
 
@@ -260,6 +261,7 @@ class _Draft:
     notes: list[str] = dataclasses.field(default_factory=list)
     warnings: list[str] = dataclasses.field(default_factory=list)
     rmsnorm_impl: str | None = None
+    optimizer_dtypes: dict[str, str] = dataclasses.field(default_factory=dict)
 
 
 def _mindspeed_repatch(plan: _Draft, otc: Mapping[str, Any], engine_config: Any) -> dict[str, Any]:
@@ -302,7 +304,7 @@ def _rmsnorm(plan: _Draft, problems: _Problems, otc: Mapping[str, Any], hf_confi
         )
         return
     plan.tf["normalization"] = "RMSNorm"
-    plan.rmsnorm_impl = "verl_npu.ops.rmsnorm.RMSNorm"
+    plan.rmsnorm_impl = "verl_npu.engine.modules.RMSNorm"
     plan.features.append("fused_rmsnorm")
     plan.notes.append(f"fused RMSNorm -> {plan.rmsnorm_impl}")
 
@@ -318,44 +320,7 @@ def _dsa(plan: _Draft, problems: _Problems, otc: Mapping[str, Any], engine_confi
             )
         return
     plan.features.append("dsa")
-    if _get(hf_config, "kv_lora_rank") is None and not otc.get("multi_latent_attention"):
-        problems.add(
-            f"{OTC}.experimental_attention_variant='dsa'",
-            "DSA (DeepSeek sparse attention) requires multi-latent attention, and this model has no kv_lora_rank",
-            "use an MLA model (DeepSeek-V3.2, GLM-5) or drop experimental_attention_variant",
-        )
-    if otc.get("qk_layernorm") is False:
-        problems.add(
-            f"{OTC}.qk_layernorm=False",
-            "DSA requires qk_layernorm",
-            f"remove {OTC}.qk_layernorm (the engine enables it)",
-        )
-    if otc.get("apply_rope_fusion"):
-        problems.add(
-            f"{OTC}.apply_rope_fusion=True", "megatron-core's DSA asserts apply_rope_fusion=False", "remove it"
-        )
-    if otc.get("eod_mask_loss") or _get(engine_config, "eod_mask_loss", False):
-        problems.add("eod_mask_loss=True", "MindSpeed's DSA refuses EOD mask loss", "set eod_mask_loss=False")
-    if _get(engine_config, "use_remove_padding", False):
-        problems.add(
-            "use_remove_padding=True",
-            "DSA does not support packed (THD) input in megatron-core 0.18",
-            "set actor_rollout_ref.actor.megatron.use_remove_padding=False (and ref/critic alike)",
-        )
-    modules = otc.get("recompute_modules")
-    if otc.get("recompute_granularity") == "selective" and (modules is None or "core_attn" in modules):
-        shown = (
-            f"recompute_modules={list(modules)}"
-            if modules is not None
-            else "recompute_modules unset (megatron's default ['core_attn'])"
-        )
-        problems.add(
-            f"{OTC}.recompute_granularity=selective with {shown}",
-            "megatron-core 0.18's selective recompute of core_attn checkpoints the core attention without passing "
-            "DSA its x and qr inputs (the indexer's), so a DSA model cannot recompute it",
-            f"set {OTC}.recompute_granularity=full (with recompute_method / recompute_num_layers), or keep selective "
-            f'recompute with recompute_modules that leave out core_attn, e.g. ["mla_up_proj", "mlp"]',
-        )
+    _dsa_rules(problems, otc, engine_config, hf_config)
     plan.tf.update(
         experimental_attention_variant="dsa", multi_latent_attention=True, qk_layernorm=True, apply_rope_fusion=False
     )
@@ -399,6 +364,48 @@ def _dsa(plan: _Draft, problems: _Problems, otc: Mapping[str, Any], engine_confi
         "fused DSA: npu_sparse_lightning_indexer_grad_kl_loss runs on every training forward, also at "
         "dsa_indexer_loss_coeff=0 (MindSpeed multiplies its loss by the coefficient afterwards)",
     ]
+
+
+def _dsa_rules(problems: _Problems, otc: Mapping[str, Any], engine_config: Any, hf_config: Any) -> None:
+    """What megatron-core 0.18's and MindSpeed's DSA refuse, whichever kernel runs it."""
+    if _get(hf_config, "kv_lora_rank") is None and not otc.get("multi_latent_attention"):
+        problems.add(
+            f"{OTC}.experimental_attention_variant='dsa'",
+            "DSA (DeepSeek sparse attention) requires multi-latent attention, and this model has no kv_lora_rank",
+            "use an MLA model (DeepSeek-V3.2, GLM-5) or drop experimental_attention_variant",
+        )
+    if otc.get("qk_layernorm") is False:
+        problems.add(
+            f"{OTC}.qk_layernorm=False",
+            "DSA requires qk_layernorm",
+            f"remove {OTC}.qk_layernorm (the engine enables it)",
+        )
+    if otc.get("apply_rope_fusion"):
+        problems.add(
+            f"{OTC}.apply_rope_fusion=True", "megatron-core's DSA asserts apply_rope_fusion=False", "remove it"
+        )
+    if otc.get("eod_mask_loss") or _get(engine_config, "eod_mask_loss", False):
+        problems.add("eod_mask_loss=True", "MindSpeed's DSA refuses EOD mask loss", "set eod_mask_loss=False")
+    if _get(engine_config, "use_remove_padding", False):
+        problems.add(
+            "use_remove_padding=True",
+            "DSA does not support packed (THD) input in megatron-core 0.18",
+            "set actor_rollout_ref.actor.megatron.use_remove_padding=False (and ref/critic alike)",
+        )
+    modules = otc.get("recompute_modules")
+    if otc.get("recompute_granularity") == "selective" and (modules is None or "core_attn" in modules):
+        shown = (
+            f"recompute_modules={list(modules)}"
+            if modules is not None
+            else "recompute_modules unset (megatron's default ['core_attn'])"
+        )
+        problems.add(
+            f"{OTC}.recompute_granularity=selective with {shown}",
+            "megatron-core 0.18's selective recompute of core_attn checkpoints the core attention without passing "
+            "DSA its x and qr inputs (the indexer's), so a DSA model cannot recompute it",
+            f"set {OTC}.recompute_granularity=full (with recompute_method / recompute_num_layers), or keep selective "
+            f'recompute with recompute_modules that leave out core_attn, e.g. ["mla_up_proj", "mlp"]',
+        )
 
 
 def _index_share(plan: _Draft, problems: _Problems, engine_config: Any, hf_config: Any) -> None:
@@ -555,15 +562,7 @@ def _offload_and_optimizer(plan: _Draft, problems: _Problems, engine_config: Any
         plan.features.append("optimizer_offload")
     user_ddp = dict(_get(engine_config, "override_ddp_config") or {})
     precision_aware = bool(_get(optimizer_config, "use_precision_aware_optimizer", False))
-    raw = {key: str(_get(optimizer_config, key, "fp32")) for key in PRECISIONS}
-    dtypes = {key: _DTYPE_ALIASES.get(value, value) for key, value in raw.items()}
-    for key, value in dtypes.items():
-        if value not in PRECISIONS[key]:
-            problems.add(
-                f"optim.{key}={value}",
-                f"{key} must be one of {', '.join(PRECISIONS[key])}",
-                f"set optim.{key} to one of {', '.join(PRECISIONS[key])}",
-            )
+    dtypes = plan.optimizer_dtypes = _optimizer_dtypes(problems, optimizer_config)
     if not precision_aware:
         lowered = [f"optim.{k}={v}" for k, v in dtypes.items() if v != "fp32"]
         if lowered:
@@ -589,3 +588,22 @@ def _offload_and_optimizer(plan: _Draft, problems: _Problems, engine_config: Any
     if "grad_reduce_in_fp32" not in user_ddp:
         plan.ddp["grad_reduce_in_fp32"] = dtypes["main_grads_dtype"] == "fp32"
         plan.notes.append(f"DDP gradient buckets follow main_grads_dtype={dtypes['main_grads_dtype']}")
+
+
+def _optimizer_dtypes(problems: _Problems, optimizer_config: Any) -> dict[str, str]:
+    """Each PRECISIONS key's dtype, canonical (verl_npu.dtypes; unset: fp32); a spelling it must not take is a
+    problem."""
+    dtypes = {}
+    for key, allowed in PRECISIONS.items():
+        value = _get(optimizer_config, key)
+        try:
+            dtypes[key] = parse(value, "fp32")
+        except DtypeError:
+            dtypes[key] = str(value)
+        if dtypes[key] not in allowed:
+            problems.add(
+                f"optim.{key}={dtypes[key]}",
+                f"{key} must be one of {', '.join(allowed)}",
+                f"set optim.{key} to one of {', '.join(allowed)}",
+            )
+    return dtypes

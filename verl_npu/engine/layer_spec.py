@@ -70,8 +70,8 @@ def local_layer_norms_and_attention(spec: Any) -> None:
     from megatron.core.transformer.dot_product_attention import DotProductAttention
     from megatron.core.transformer.torch_norm import WrappedTorchNorm
 
+    from verl_npu.engine.modules import LayerNorm
     from verl_npu.engine.packed_attention import PackedDotProductAttention
-    from verl_npu.ops.layernorm import LayerNorm
 
     for submodules, name, value in list(_spec_fields(spec)):
         if name == "k_norm" and value is WrappedTorchNorm:
@@ -85,7 +85,7 @@ def local_decoder_block_spec(config, *, fused_rmsnorm: bool, vp_stage: int | Non
     from megatron.core.models.backends import LocalSpecProvider
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
 
-    from verl_npu.ops.rmsnorm import RMSNorm
+    from verl_npu.engine.modules import RMSNorm
 
     if fused_rmsnorm and config.normalization != "RMSNorm":
         raise ValueError(f"use_fused_rmsnorm needs normalization='RMSNorm', the model has {config.normalization!r}")

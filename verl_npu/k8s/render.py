@@ -310,11 +310,7 @@ def _extra_env(request: Request) -> dict[str, str]:
     return out
 
 
-def resolve(request: Request) -> Cluster:
-    """Read and check every input of ``request``; RenderError names the first bad one."""
-    if request.kind not in KINDS:
-        raise RenderError(f"kind {request.kind!r}: choose one of {', '.join(KINDS)}")
-    _check_name(request)
+def _ray_pin(request: Request) -> str:
     try:
         stack = load_stack(request.manifest)
     except StackError as exc:
@@ -326,16 +322,19 @@ def resolve(request: Request) -> Cluster:
         raise RenderError(
             f"{request.manifest}: no [packages.ray]: the RayJob's rayVersion and the nodes' Ray come from that pin"
         )
-    image = _image(request)
+    return ray.version
 
+
+def _read_env_file(request: Request) -> tuple[dict[str, str], str]:
     if not request.env_file.is_file():
         raise RenderError(f"--env-file {request.env_file}: no such file")
     try:
-        values = env_file_variables(str(request.env_file))
-        env_text = request.env_file.read_text(encoding="utf-8")
+        return env_file_variables(str(request.env_file)), request.env_file.read_text(encoding="utf-8")
     except (ValueError, OSError, UnicodeDecodeError) as exc:
         raise RenderError(f"--env-file: {exc}") from None
-    overrides = _extra_env(request)
+
+
+def _check_env_keys(request: Request, values: dict[str, str], overrides: dict[str, str]) -> None:
     for key in PER_NODE_KEYS:
         if key in values or key in overrides:
             where = str(request.env_file) if key in values else "--env"
@@ -346,6 +345,9 @@ def resolve(request: Request) -> Cluster:
     reserved = [k for k in RESERVED_KEYS if k in values]
     if reserved:
         raise RenderError(f"{request.env_file}: {', '.join(reserved)} is set by the renderer on every pod: remove it")
+
+
+def _cluster_shape(request: Request, values: dict[str, str]) -> tuple[int, int, str]:
     nnodes = _shape(request, values, "NNODES", request.nnodes, "--nnodes")
     npus = _shape(request, values, "NPUS_PER_NODE", request.npus_per_node, "--npus-per-node")
     if npus > NPUS_PER_NODE_MAX[request.chip]:
@@ -356,9 +358,10 @@ def resolve(request: Request) -> Cluster:
     port_text = values.get("RAY_PORT", str(DEFAULT_RAY_PORT))
     if not _POSITIVE_INT.match(port_text) or int(port_text) > 65535:
         raise RenderError(f"{request.env_file}: RAY_PORT={port_text!r} is not a TCP port")
-    _check_volumes(request)
-    _check_shared_paths(request, {**values, **overrides})
+    return nnodes, npus, port_text
 
+
+def _check_pod_options(request: Request) -> None:
     for secret in request.pull_secrets:
         if not validate.DNS1123_SUBDOMAIN.match(secret) or len(secret) > validate.SUBDOMAIN_MAX:
             raise RenderError(f"--pull-secret {secret!r}: not a valid Secret name (DNS-1123 subdomain)")
@@ -379,6 +382,9 @@ def resolve(request: Request) -> Cluster:
             f"--shm-size {request.shm_size} exceeds --memory {request.memory}: a memory-backed /dev/shm is charged "
             "to the container's memory limit"
         )
+
+
+def _check_job_options(request: Request) -> None:
     for value, option in ((request.deadline_s, "--deadline"), (request.ttl_s, "--ttl")):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise RenderError(f"{option} {value!r}: give a positive number of seconds")
@@ -386,6 +392,32 @@ def resolve(request: Request) -> Cluster:
         raise RenderError(f"--namespace {request.namespace!r}: not a valid namespace name")
     if request.kind == "volcano" and not validate.DNS1123_SUBDOMAIN.match(request.queue):
         raise RenderError(f"--queue {request.queue!r}: not a valid Volcano queue name")
+
+
+def _with_additions(env_text: str, added: dict[str, str]) -> str:
+    if not added:
+        return env_text
+    # later lines win, for `source` (ray_start.sh) and for verl-npu's reader (VERL_NPU_ENV_FILE) alike
+    note = "# Added by `verl-npu k8s render`: --env, and the cluster shape when given as flags.\n"
+    env_text = env_text.rstrip("\n") + "\n\n" + note
+    return env_text + "".join(f"{k}={shlex.quote(v)}\n" for k, v in added.items())
+
+
+def resolve(request: Request) -> Cluster:
+    """Read and check every input of ``request``; RenderError names the first bad one."""
+    if request.kind not in KINDS:
+        raise RenderError(f"kind {request.kind!r}: choose one of {', '.join(KINDS)}")
+    _check_name(request)
+    ray_version = _ray_pin(request)
+    image = _image(request)
+    values, env_text = _read_env_file(request)
+    overrides = _extra_env(request)
+    _check_env_keys(request, values, overrides)
+    nnodes, npus, port_text = _cluster_shape(request, values)
+    _check_volumes(request)
+    _check_shared_paths(request, {**values, **overrides})
+    _check_pod_options(request)
+    _check_job_options(request)
 
     launch = _in_repo(request.launch, request.repo, "--launch")
     ray_start = _in_repo(request.ray_start, request.repo, "--ray-start")
@@ -397,17 +429,10 @@ def resolve(request: Request) -> Cluster:
 
     shape = {"NNODES": str(nnodes), "NPUS_PER_NODE": str(npus), "RAY_PORT": port_text}
     added = {**{k: v for k, v in shape.items() if k not in values}, **overrides}
-    if added:
-        # later lines win, for `source` (ray_start.sh) and for verl-npu's reader (VERL_NPU_ENV_FILE) alike
-        env_text = (
-            env_text.rstrip("\n")
-            + "\n\n# Added by `verl-npu k8s render`: --env, and the cluster shape when given as flags.\n"
-        )
-        env_text += "".join(f"{k}={shlex.quote(v)}\n" for k, v in added.items())
-    env = {**values, **added}
     return Cluster(
-        request=request, image=image, ray_version=ray.version, nnodes=nnodes, npus_per_node=npus,
-        ray_port=int(port_text), env=env, env_file_name=name, env_text=env_text, launch=launch, ray_start=ray_start,
+        request=request, image=image, ray_version=ray_version, nnodes=nnodes, npus_per_node=npus,
+        ray_port=int(port_text), env={**values, **added}, env_file_name=name, env_text=_with_additions(env_text, added),
+        launch=launch, ray_start=ray_start,
     )  # fmt: skip
 
 

@@ -185,6 +185,24 @@ def _group_problems(doc: dict[str, Any]) -> Iterator[tuple[str, str]]:
                 yield "spec.minAvailable", f"{minimum} exceeds the {total} pods of the job's tasks (their replicas)"
 
 
+def _extended_resource_problems(where: str, resources: dict[str, Any]) -> Iterator[tuple[str, str]]:
+    """The API server's rule for device-plugin resources: requested only with a limit, and equal to it."""
+    limits, requests = resources.get("limits") or {}, resources.get("requests") or {}
+    if not (isinstance(limits, dict) and isinstance(requests, dict)):
+        return  # a wrong type: the schema names it
+    for resource in sorted(set(limits) | set(requests)):
+        if _NATIVE_RESOURCE.match(str(resource)):
+            continue
+        if resource not in limits:
+            yield f"{where}.resources.limits", f"extended resource {resource!r} is requested without a limit"
+        elif resource in requests and str(requests[resource]) != str(limits[resource]):
+            yield (
+                f"{where}.resources.requests.{resource}",
+                f"{requests[resource]!r} differs from the limit {limits[resource]!r}: "
+                "an extended resource cannot be overcommitted",
+            )
+
+
 def _pod_problems(path: str, pod: dict[str, Any]) -> Iterator[tuple[str, str]]:
     volumes = [v.get("name") for v in _list(pod.get("volumes")) if isinstance(v, dict)]
     for name in {v for v in volumes if volumes.count(v) > 1}:
@@ -212,23 +230,7 @@ def _pod_problems(path: str, pod: dict[str, Any]) -> Iterator[tuple[str, str]]:
                         f"{where}.volumeMounts[{j}].name",
                         f"{mount.get('name')!r} is not a volume of this pod ({known})",
                     )
-            resources = _dict(container.get("resources"))
-            limits, requests = resources.get("limits") or {}, resources.get("requests") or {}
-            if not (isinstance(limits, dict) and isinstance(requests, dict)):
-                continue  # a wrong type: the schema names it
-            for resource in sorted(set(limits) | set(requests)):
-                if _NATIVE_RESOURCE.match(str(resource)):
-                    continue
-                if resource not in limits:
-                    yield f"{where}.resources.limits", f"extended resource {resource!r} is requested without a limit"
-                elif resource in requests and str(requests[resource]) != str(limits[resource]):
-                    yield (
-                        f"{where}.resources.requests.{resource}",
-                        (
-                            f"{requests[resource]!r} differs from the limit {limits[resource]!r}: "
-                            "an extended resource cannot be overcommitted"
-                        ),
-                    )
+            yield from _extended_resource_problems(where, _dict(container.get("resources")))
     for name in {n for n in names if names.count(n) > 1}:
         yield f"{path}.containers", f"container name {name!r} is used twice"
 

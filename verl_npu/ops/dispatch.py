@@ -25,6 +25,8 @@ import re
 
 import torch
 
+from verl_npu.ops.triton_support import TRITON_DTYPES
+
 logger = logging.getLogger(__name__)
 
 BACKENDS = ("ascend", "triton", "portable")
@@ -38,7 +40,6 @@ OPS = {
 }
 # the tiled Triton DSA kernel's tiles are sized for GLM-5's per-head dims (256); beyond, portable runs
 TRITON_TILED_MAX_HEAD_DIM = 256
-TRITON_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
 @functools.cache

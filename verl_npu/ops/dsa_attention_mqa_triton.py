@@ -48,11 +48,17 @@ work). Ascend runs ``npu_sparse_flash_attention`` instead.
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
+
+from verl_npu.ops.triton_support import (
+    TRITON_DTYPES,
+    check_attention_layout,
+    interpreted,
+    precision,
+    unit_last_stride,
+)
 
 _LOG2E = 1.4426950408889634
 
@@ -278,10 +284,6 @@ def _gradient_reaches_key(key: torch.Tensor, value: torch.Tensor) -> bool:
     return base is not None and (base is key or base is key._base)
 
 
-def _interpreted() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
-
-
 class _SparseAttentionMQA(torch.autograd.Function):
     @staticmethod
     def forward(ctx, query, key, value, topk_indices, scale):
@@ -304,8 +306,8 @@ class _SparseAttentionMQA(torch.autograd.Function):
             value.stride(0), value.stride(1),
             sq, b, heads, scale * _LOG2E,
             HN=hn, HNV=hnv, TOPK=idx.shape[-1], HEAD_BLOCKS=head_blocks, BLOCK_H=block_h, BLOCK_N=block_n,
-            DA=d_a, DB=d_b, DV=d_v, HAS_B=has_b, V_FROM_K=v_from_k, INTERPRETED=_interpreted(),
-            PRECISION=_precision(query.dtype), num_warps=warps, num_stages=stages,
+            DA=d_a, DB=d_b, DV=d_v, HAS_B=has_b, V_FROM_K=v_from_k, INTERPRETED=interpreted(),
+            PRECISION=precision(query.dtype), num_warps=warps, num_stages=stages,
         )  # fmt: skip
         ctx.save_for_backward(query, key, value, idx, count, result, lse)
         ctx.scale = scale
@@ -334,16 +336,11 @@ class _SparseAttentionMQA(torch.autograd.Function):
             sq, b, heads, ctx.scale, ctx.scale * _LOG2E,
             HN=hn, HNV=hnv, TOPK=idx.shape[-1], HEAD_BLOCKS=head_blocks, BLOCK_H=block_h, BLOCK_N=block_n,
             DA=d_a, DB=d_b, DV_=d_v, HAS_B=has_b, V_FROM_K=ctx.v_from_k, MERGE_DV=ctx.merge_dv,
-            INTERPRETED=_interpreted(), PRECISION=_precision(query.dtype), num_warps=warps, num_stages=stages,
+            INTERPRETED=interpreted(), PRECISION=precision(query.dtype), num_warps=warps, num_stages=stages,
         )  # fmt: skip
         grad_key = dk.view(skv, b, 1, hn).to(key.dtype)
         grad_value = None if ctx.merge_dv else dv.view(skv, b, 1, hnv).to(value.dtype)
         return dq, grad_key, grad_value, None, None
-
-
-def _precision(dtype: torch.dtype) -> str:
-    # fp32 inputs keep fp32 products (tests compare tightly); 16-bit inputs ignore the setting
-    return "ieee" if dtype == torch.float32 else "tf32"
 
 
 def sparse_attention_mqa_triton(
@@ -354,15 +351,9 @@ def sparse_attention_mqa_triton(
     softmax_scale: float,
 ) -> torch.Tensor:
     """``unfused_dsa_fn``'s result for one shared key/value head ([sq, b, np * hnv], value's dtype); differentiable."""
-    if query.dim() != 4 or key.dim() != 4 or value.dim() != 4:
-        raise ValueError(
-            f"query {tuple(query.shape)}, key {tuple(key.shape)}, value {tuple(value.shape)}: "
-            "expected [s, b, heads, head_dim] each"
-        )
+    check_attention_layout(query, key, value, topk_indices)
     sq, b, _, hn = query.shape
     skv = key.shape[0]
-    if topk_indices.dim() != 3 or topk_indices.shape[:2] != (b, sq):
-        raise ValueError(f"topk_indices {tuple(topk_indices.shape)}: expected [b={b}, sq={sq}, topk]")
     if key.shape[2] != 1 or value.shape[2] != 1:
         raise ValueError(
             f"key {tuple(key.shape)} / value {tuple(value.shape)} have {key.shape[2]} heads: this kernel takes one "
@@ -374,7 +365,7 @@ def sparse_attention_mqa_triton(
             f"key {tuple(key.shape)} / value {tuple(value.shape)} do not match query {tuple(query.shape)}: "
             f"expected [skv, b={b}, 1, {hn}] and [skv, b={b}, 1, hnv]"
         )
-    if not query.dtype == key.dtype == value.dtype or query.dtype not in (torch.bfloat16, torch.float16, torch.float32):
+    if not query.dtype == key.dtype == value.dtype or query.dtype not in TRITON_DTYPES:
         raise ValueError(
             f"query/key/value dtypes {query.dtype}/{key.dtype}/{value.dtype}: expected one of bf16, fp16, fp32 for all"
         )
@@ -382,6 +373,5 @@ def sparse_attention_mqa_triton(
         raise ValueError(f"topk_indices must be integers, got {topk_indices.dtype}")
     if topk_indices.shape[-1] == 0:  # nothing selected: one padding slot gives every query its zero output
         topk_indices = topk_indices.new_full((b, sq, 1), -1)
-    # the kernels index the last dim densely; a view such as value = key[..., :512] already is
-    query, key, value = (t if t.stride(-1) == 1 else t.contiguous() for t in (query, key, value))
+    query, key, value = (unit_last_stride(t) for t in (query, key, value))
     return _SparseAttentionMQA.apply(query, key, value, topk_indices, float(softmax_scale))

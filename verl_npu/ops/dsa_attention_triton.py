@@ -5,9 +5,9 @@ computes, with the portable backend's (``verl_npu.ops.dsa_attention``) contract 
 ``[sq, b, np, hn]``, key ``[skv, b, np, hn]``, value ``[skv, b, np, hnv]``, topk_indices ``[b, sq,
 topk]`` shared by all heads (duplicates count once; indices after the query position or outside
 ``[0, skv)``, such as -1 padding, are ignored), causal; returns ``[sq, b, np * hnv]`` in value's
-dtype, softmax statistics in fp32, and a query row with no valid key gives 0. Key and value may
-also carry ONE head (``[skv, b, 1, hn]``: MQA, or MLA in its absorbed form): every query head then
-reads the same key rows through a zero head stride, nothing is copied.
+dtype, softmax statistics in fp32, and a query row with no valid key gives 0. Key and value carry
+one head per query head: one key head shared by every query head (MQA, MLA in its absorbed form) is
+refused, the gather kernel of ``dsa_attention_mqa_triton`` serves it (verl_npu.ops.dispatch routes it there).
 
 Design. The top-k sets become a selection bitmask ``[b, sq, ceil(skv / 32)]`` int32 (bit ``j % 32``
 of word ``j // 32`` set when key ``j`` is selected and ``j <= i``), built in chunks of query rows from
@@ -22,8 +22,7 @@ broadcast over those keys, then each key's bit); it keeps the output and the row
 base 2) for backward. Backward is
 the flash backward without atomics, so it stays in the Triton subset triton-ascend compiles: a
 preprocess for ``delta = rowsum(dO * O)``, one kernel per key block for dK/dV (walking the query
-blocks that select it) and one per query block for dQ. With one key head, each dK/dV program loops
-over a group of query heads and writes an fp32 partial per group; the partials are summed after.
+blocks that select it) and one per query block for dQ.
 
 Memory. Besides inputs and outputs: the bitmask (``b * sq * skv / 8`` bytes: 128 MiB at 32k, kept
 for backward and smaller than the int64 indices it replaces), the occupancy lists (``b *
@@ -46,11 +45,18 @@ with a local window of 2048 keys most tiles are skipped: 34.6 ms at 16384.
 from __future__ import annotations
 
 import math
-import os
 
 import torch
 import triton
 import triton.language as tl
+
+from verl_npu.ops.triton_support import (
+    TRITON_DTYPES,
+    check_attention_layout,
+    interpreted,
+    precision,
+    unit_last_stride,
+)
 
 _LOG2E = math.log2(math.e)
 
@@ -69,21 +75,14 @@ FP32_BACKWARD_Q_CONFIG = (32, 32, 4, 2)
 DELTA_CONFIG = (64, 4)  # (BLOCK_M, num_warps): one pass over O and dO
 # the interpreter (CPU tests): small tiles, so odd test sizes span several query and key blocks
 INTERPRETER_CONFIG = (16, 32, 1, 1)
-# one-key-head dK/dV: query heads are split into groups (one fp32 partial each) until there are
-# about this many programs per SM; fewer groups: less partial memory, more: more parallelism
-MQA_PROGRAMS_PER_SM = 2
 # selection-bitmask construction: query rows per chunk are capped so that about this many index
 # elements (a few int64 temporaries of [b, rows, topk]) exist at once
 BITMASK_CHUNK_ELEMENTS = 2**24
 
 
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET") == "1"
-
-
 @triton.jit
 def _mm(a, b, acc, PRECISION: tl.constexpr, INTERPRETED: tl.constexpr):
-    """acc + a @ b with fp32 accumulation (see _interpreted for the widening)."""
+    """acc + a @ b with fp32 accumulation (see triton_support.interpreted for the widening)."""
     if INTERPRETED:
         a = a.to(tl.float32)
         b = b.to(tl.float32)
@@ -116,11 +115,9 @@ def _tile_mask(bits_rows, rows_ok, key_block, n_words, BLOCK_M: tl.constexpr, BL
 
 
 @triton.jit
-def _forward_step(
-    q, acc, m_i, l_i, key_block, k_base, v_base, bits_rows, rows_ok, skv, n_words, stride_ks, stride_vs, scale_log2,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, HEAD_DIM: tl.constexpr,
-    HEAD_DIM_V: tl.constexpr, PRECISION: tl.constexpr, INTERPRETED: tl.constexpr,
-):  # fmt: skip
+def _load_key_tile(k_base, v_base, key_block, skv, stride_ks, stride_vs, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+                   BLOCK_DV: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr):  # fmt: skip
+    """Key block ``key_block``'s key [BLOCK_N, BLOCK_D] and value [BLOCK_N, BLOCK_DV] rows; padding reads as 0."""
     keys = key_block * BLOCK_N + tl.arange(0, BLOCK_N)
     key_ok = keys < skv
     d = tl.arange(0, BLOCK_D)
@@ -129,6 +126,17 @@ def _forward_step(
                 mask=key_ok[:, None] & (d[None, :] < HEAD_DIM), other=0.0)  # fmt: skip
     v = tl.load(v_base + keys[:, None].to(tl.int64) * stride_vs + dv[None, :],
                 mask=key_ok[:, None] & (dv[None, :] < HEAD_DIM_V), other=0.0)  # fmt: skip
+    return k, v
+
+
+@triton.jit
+def _forward_step(
+    q, acc, m_i, l_i, key_block, k_base, v_base, bits_rows, rows_ok, skv, n_words, stride_ks, stride_vs, scale_log2,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, HEAD_DIM: tl.constexpr,
+    HEAD_DIM_V: tl.constexpr, PRECISION: tl.constexpr, INTERPRETED: tl.constexpr,
+):  # fmt: skip
+    k, v = _load_key_tile(k_base, v_base, key_block, skv, stride_ks, stride_vs, BLOCK_N, BLOCK_D, BLOCK_DV, HEAD_DIM,
+                          HEAD_DIM_V)  # fmt: skip
     selected = _tile_mask(bits_rows, rows_ok, key_block, n_words, BLOCK_M, BLOCK_N, False)
     s = _mm(q, tl.trans(k), None, PRECISION, INTERPRETED) * scale_log2
     s = tl.where(selected, s, float("-inf"))
@@ -161,7 +169,7 @@ def _forward(
     dv = tl.arange(0, BLOCK_DV)
     q = tl.load(Q + batch * stride_qb + head * stride_qh + rows[:, None].to(tl.int64) * stride_qs + d[None, :],
                 mask=rows_ok[:, None] & (d[None, :] < HEAD_DIM), other=0.0)  # fmt: skip
-    k_base = K + batch * stride_kb + head * stride_kh  # stride_kh is 0 for one shared key head
+    k_base = K + batch * stride_kb + head * stride_kh
     v_base = V + batch * stride_vb + head * stride_vh
     bits_rows = BITS + (batch * sq + rows).to(tl.int64) * n_words
     tile_row = batch * tl.cdiv(sq, BLOCK_M) + query_block
@@ -170,7 +178,7 @@ def _forward(
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
-    if INTERPRETED:  # see _interpreted
+    if INTERPRETED:  # see triton_support.interpreted
         t = count * 0
         while t < count:
             acc, m_i, l_i = _forward_step(q, acc, m_i, l_i, tl.load(key_blocks + t), k_base, v_base, bits_rows,
@@ -245,25 +253,23 @@ def _backward_kv(
     stride_qs, stride_qb, stride_qh, stride_ks, stride_kb, stride_kh, stride_vs, stride_vb, stride_vh,
     stride_dos, stride_dob, stride_doh, stride_dks, stride_dkb, stride_dkh, stride_dvs, stride_dvb, stride_dvh,
     scale, scale_log2,
-    HEADS_PER_PROGRAM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-    BLOCK_DV: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, PRECISION: tl.constexpr,
-    INTERPRETED: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+    HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, PRECISION: tl.constexpr, INTERPRETED: tl.constexpr,
 ):  # fmt: skip
-    """dK/dV of one key block for a group of HEADS_PER_PROGRAM query heads (1 when keys are per head)."""
+    """dK/dV of one key block of one (batch, head)."""
     key_block = tl.program_id(0)  # early key blocks are selected by the most query blocks: they start first
-    groups = heads // HEADS_PER_PROGRAM
-    batch = tl.program_id(1) // groups
-    group = tl.program_id(1) % groups
-    first_head = group * HEADS_PER_PROGRAM
+    batch_head = tl.program_id(1)
+    batch = batch_head // heads
+    head = batch_head % heads
     keys = key_block * BLOCK_N + tl.arange(0, BLOCK_N)
     key_ok = keys < skv
     d = tl.arange(0, BLOCK_D)
     dv = tl.arange(0, BLOCK_DV)
     k_mask = key_ok[:, None] & (d[None, :] < HEAD_DIM)
     v_mask = key_ok[:, None] & (dv[None, :] < HEAD_DIM_V)
-    k = tl.load(K + batch * stride_kb + first_head * stride_kh + keys[:, None].to(tl.int64) * stride_ks + d[None, :],
+    k = tl.load(K + batch * stride_kb + head * stride_kh + keys[:, None].to(tl.int64) * stride_ks + d[None, :],
                 mask=k_mask, other=0.0)  # fmt: skip
-    v = tl.load(V + batch * stride_vb + first_head * stride_vh + keys[:, None].to(tl.int64) * stride_vs + dv[None, :],
+    v = tl.load(V + batch * stride_vb + head * stride_vh + keys[:, None].to(tl.int64) * stride_vs + dv[None, :],
                 mask=v_mask, other=0.0)  # fmt: skip
     dk = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
     dv_acc = tl.zeros([BLOCK_N, BLOCK_DV], tl.float32)
@@ -271,30 +277,28 @@ def _backward_kv(
     tile_row = batch * tl.cdiv(skv, BLOCK_N) + key_block
     count = tl.load(COUNTS + tile_row)
     query_blocks = BLOCKS + tile_row.to(tl.int64) * n_query_blocks
-    for i in range(0, HEADS_PER_PROGRAM):
-        head = first_head + i
-        q_base = Q + batch * stride_qb + head * stride_qh
-        do_base = DO + batch * stride_dob + head * stride_doh
-        lse_base = LSE + (batch * heads + head).to(tl.int64) * sq
-        delta_base = DELTA + (batch * heads + head).to(tl.int64) * sq
-        if INTERPRETED:  # see _interpreted
-            t = count * 0
-            while t < count:
-                dk, dv_acc = _backward_kv_step(k, v, dk, dv_acc, tl.load(query_blocks + t), q_base, do_base, lse_base,
-                                               delta_base, bits_base, key_block, sq, n_words, stride_qs,
-                                               stride_dos, scale_log2, BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV, HEAD_DIM,
-                                               HEAD_DIM_V, PRECISION, INTERPRETED)  # fmt: skip
-                t += 1
-        else:
-            for t in range(0, count):
-                dk, dv_acc = _backward_kv_step(k, v, dk, dv_acc, tl.load(query_blocks + t), q_base, do_base, lse_base,
-                                               delta_base, bits_base, key_block, sq, n_words, stride_qs,
-                                               stride_dos, scale_log2, BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV, HEAD_DIM,
-                                               HEAD_DIM_V, PRECISION, INTERPRETED)  # fmt: skip
+    q_base = Q + batch * stride_qb + head * stride_qh
+    do_base = DO + batch * stride_dob + head * stride_doh
+    lse_base = LSE + batch_head.to(tl.int64) * sq
+    delta_base = DELTA + batch_head.to(tl.int64) * sq
+    if INTERPRETED:  # see triton_support.interpreted
+        t = count * 0
+        while t < count:
+            dk, dv_acc = _backward_kv_step(k, v, dk, dv_acc, tl.load(query_blocks + t), q_base, do_base, lse_base,
+                                           delta_base, bits_base, key_block, sq, n_words, stride_qs,
+                                           stride_dos, scale_log2, BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV, HEAD_DIM,
+                                           HEAD_DIM_V, PRECISION, INTERPRETED)  # fmt: skip
+            t += 1
+    else:
+        for t in range(0, count):
+            dk, dv_acc = _backward_kv_step(k, v, dk, dv_acc, tl.load(query_blocks + t), q_base, do_base, lse_base,
+                                           delta_base, bits_base, key_block, sq, n_words, stride_qs,
+                                           stride_dos, scale_log2, BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV, HEAD_DIM,
+                                           HEAD_DIM_V, PRECISION, INTERPRETED)  # fmt: skip
     rows64 = keys[:, None].to(tl.int64)
-    tl.store(DK + batch * stride_dkb + group * stride_dkh + rows64 * stride_dks + d[None, :],
+    tl.store(DK + batch * stride_dkb + head * stride_dkh + rows64 * stride_dks + d[None, :],
              (dk * scale).to(DK.dtype.element_ty), mask=k_mask)  # fmt: skip
-    tl.store(DV + batch * stride_dvb + group * stride_dvh + rows64 * stride_dvs + dv[None, :],
+    tl.store(DV + batch * stride_dvb + head * stride_dvh + rows64 * stride_dvs + dv[None, :],
              dv_acc.to(DV.dtype.element_ty), mask=v_mask)  # fmt: skip
 
 
@@ -304,14 +308,8 @@ def _backward_q_step(
     scale_log2, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, PRECISION: tl.constexpr, INTERPRETED: tl.constexpr,
 ):  # fmt: skip
-    keys = key_block * BLOCK_N + tl.arange(0, BLOCK_N)
-    key_ok = keys < skv
-    d = tl.arange(0, BLOCK_D)
-    dv = tl.arange(0, BLOCK_DV)
-    k = tl.load(k_base + keys[:, None].to(tl.int64) * stride_ks + d[None, :],
-                mask=key_ok[:, None] & (d[None, :] < HEAD_DIM), other=0.0)  # fmt: skip
-    v = tl.load(v_base + keys[:, None].to(tl.int64) * stride_vs + dv[None, :],
-                mask=key_ok[:, None] & (dv[None, :] < HEAD_DIM_V), other=0.0)  # fmt: skip
+    k, v = _load_key_tile(k_base, v_base, key_block, skv, stride_ks, stride_vs, BLOCK_N, BLOCK_D, BLOCK_DV, HEAD_DIM,
+                          HEAD_DIM_V)  # fmt: skip
     selected = _tile_mask(bits_rows, rows_ok, key_block, n_words, BLOCK_M, BLOCK_N, False)
     s = _mm(q, tl.trans(k), None, PRECISION, INTERPRETED) * scale_log2
     p = tl.where(selected, tl.exp2(s - lse[:, None]), 0.0)
@@ -350,7 +348,7 @@ def _backward_q(
     count = tl.load(COUNTS + tile_row)
     key_blocks = BLOCKS + tile_row.to(tl.int64) * n_key_blocks
     dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-    if INTERPRETED:  # see _interpreted
+    if INTERPRETED:  # see triton_support.interpreted
         t = count * 0
         while t < count:
             dq = _backward_q_step(q, do, lse, delta, dq, tl.load(key_blocks + t), k_base, v_base, bits_rows, rows_ok,
@@ -364,19 +362,6 @@ def _backward_q(
                                   BLOCK_DV, HEAD_DIM, HEAD_DIM_V, PRECISION, INTERPRETED)  # fmt: skip
     tl.store(DQ + batch * stride_dqb + head * stride_dqh + rows64 * stride_dqs + d[None, :],
              (dq * scale).to(DQ.dtype.element_ty), mask=q_mask)  # fmt: skip
-
-
-def _interpreted() -> bool:
-    """The kernels' INTERPRETED switch: two work-arounds for Triton 3.6's interpreter, no change in the maths.
-
-    Tile loops: compiled, a ``for`` loop over the loaded tile count is what the compiler software-
-    pipelines; the interpreter cannot take a loaded scalar as a ``range`` bound under numpy 2 (it
-    calls ``int()`` on a one-element array) but evaluates a ``while`` condition. Products: the
-    interpreter multiplies bf16 operands as their raw 16-bit patterns (numpy has no bf16), so it gets
-    them widened to fp32 after the same roundings; exact products summed in fp32 are what the
-    tensor cores compute for bf16 operands.
-    """
-    return _interpreting()
 
 
 def _selection_bits(topk_indices: torch.Tensor, sq: int, skv: int) -> torch.Tensor:
@@ -425,7 +410,7 @@ def _tile_lists(occupied: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 def _config(kernel: str, t: torch.Tensor) -> tuple[int, int, int, int]:
     """(BLOCK_M, BLOCK_N, num_warps, num_stages) of ``kernel`` for inputs like ``t`` (read at call time)."""
-    if _interpreting() or t.device.type != "cuda":
+    if interpreted() or t.device.type != "cuda":
         return INTERPRETER_CONFIG
     fp32 = t.dtype == torch.float32
     return {
@@ -435,23 +420,8 @@ def _config(kernel: str, t: torch.Tensor) -> tuple[int, int, int, int]:
     }[kernel]
 
 
-def _multiprocessors(device: torch.device) -> int:
-    if device.type == "cuda":
-        return torch.cuda.get_device_properties(device).multi_processor_count
-    return 2
-
-
 def _strides(t: torch.Tensor) -> tuple[int, int, int]:
     return t.stride(0), t.stride(1), t.stride(2)
-
-
-def _kv_strides(t: torch.Tensor) -> tuple[int, int, int]:
-    """One shared head: head stride 0, so every query head reads the same rows."""
-    return t.stride(0), t.stride(1), 0 if t.shape[2] == 1 else t.stride(2)
-
-
-def _unit_last_stride(t: torch.Tensor) -> torch.Tensor:
-    return t if t.stride(-1) == 1 else t.contiguous()
 
 
 def _dims(hn: int, hnv: int) -> dict:
@@ -461,11 +431,6 @@ def _dims(hn: int, hnv: int) -> dict:
         "HEAD_DIM": hn,
         "HEAD_DIM_V": hnv,
     }
-
-
-def _precision(dtype: torch.dtype) -> str:
-    # fp32 inputs get fp32 products (Triton's default for fp32 would be tf32); bf16/fp16 ignore it
-    return "ieee" if dtype == torch.float32 else "tf32"
 
 
 class _TritonSparseAttention(torch.autograd.Function):
@@ -484,9 +449,9 @@ class _TritonSparseAttention(torch.autograd.Function):
         grid = (-(-sq // block_m), b * heads)
         _forward[grid](
             query, key, value, out, lse, bits, counts, blocks, sq, skv, heads, bits.shape[-1], blocks.shape[-1],
-            *_strides(query), *_kv_strides(key), *_kv_strides(value), *_strides(out), scale * _LOG2E,
-            BLOCK_M=block_m, BLOCK_N=block_n, **_dims(hn, hnv), PRECISION=_precision(query.dtype),
-            INTERPRETED=_interpreted(), num_warps=warps, num_stages=stages,
+            *_strides(query), *_strides(key), *_strides(value), *_strides(out), scale * _LOG2E,
+            BLOCK_M=block_m, BLOCK_N=block_n, **_dims(hn, hnv), PRECISION=precision(query.dtype),
+            INTERPRETED=interpreted(), num_warps=warps, num_stages=stages,
         )  # fmt: skip
         ctx.save_for_backward(query, key, value, result, lse, bits, counts, blocks)
         ctx.scale = scale
@@ -498,14 +463,14 @@ class _TritonSparseAttention(torch.autograd.Function):
         query, key, value, result, lse, bits, fwd_counts, fwd_blocks = ctx.saved_tensors
         scale = ctx.scale
         sq, b, heads, hn = query.shape
-        skv, kv_heads, hnv = key.shape[0], key.shape[2], value.shape[-1]
+        skv, hnv = key.shape[0], value.shape[-1]
         out = result.view(sq, b, heads, hnv)
-        grad_out = _unit_last_stride(grad_out.reshape(sq, b, heads, hnv))
+        grad_out = unit_last_stride(grad_out.reshape(sq, b, heads, hnv))
         dims = _dims(hn, hnv)
-        precision, interpreted = _precision(query.dtype), _interpreted()
+        precision_, interpreted_ = precision(query.dtype), interpreted()
 
         delta = torch.empty_like(lse)
-        delta_rows, delta_warps = (16, 1) if _interpreting() or query.device.type != "cuda" else DELTA_CONFIG
+        delta_rows, delta_warps = (16, 1) if interpreted_ or query.device.type != "cuda" else DELTA_CONFIG
         _delta[(-(-sq // delta_rows), b * heads)](
             out, grad_out, delta, sq, heads, *_strides(out), *_strides(grad_out),
             BLOCK_M=delta_rows, BLOCK_DV=dims["BLOCK_DV"], HEAD_DIM_V=hnv, num_warps=delta_warps,
@@ -513,29 +478,14 @@ class _TritonSparseAttention(torch.autograd.Function):
 
         block_m, block_n, warps, stages = _config("backward_kv", query)
         counts, blocks = _tile_lists(_occupancy(bits, block_m, block_n, skv).transpose(1, 2))
-        n_kb = -(-skv // block_n)
-        shared = kv_heads == 1 and heads > 1
-        if shared:
-            # one key head: every query head adds to the same dK/dV rows; groups of heads write fp32
-            # partials (no atomics), summed below
-            wanted = -(-MQA_PROGRAMS_PER_SM * _multiprocessors(query.device) // (n_kb * b))
-            groups = next(g for g in range(min(max(wanted, 1), heads), heads + 1) if heads % g == 0)
-            dk = torch.empty(skv, b, groups, hn, dtype=torch.float32, device=key.device)
-            dv = torch.empty(skv, b, groups, hnv, dtype=torch.float32, device=value.device)
-        else:
-            groups = heads
-            dk = torch.empty(key.shape, dtype=key.dtype, device=key.device)
-            dv = torch.empty(value.shape, dtype=value.dtype, device=value.device)
-        _backward_kv[(n_kb, b * groups)](
+        dk = torch.empty(key.shape, dtype=key.dtype, device=key.device)
+        dv = torch.empty(value.shape, dtype=value.dtype, device=value.device)
+        _backward_kv[(-(-skv // block_n), b * heads)](
             query, key, value, grad_out, lse, delta, dk, dv, bits, counts, blocks, sq, skv, heads, bits.shape[-1],
-            blocks.shape[-1], *_strides(query), *_kv_strides(key), *_kv_strides(value), *_strides(grad_out),
-            *_strides(dk), *_strides(dv), scale, scale * _LOG2E, HEADS_PER_PROGRAM=heads // groups,
-            BLOCK_M=block_m, BLOCK_N=block_n, **dims, PRECISION=precision, INTERPRETED=interpreted,
-            num_warps=warps, num_stages=stages,
+            blocks.shape[-1], *_strides(query), *_strides(key), *_strides(value), *_strides(grad_out),
+            *_strides(dk), *_strides(dv), scale, scale * _LOG2E, BLOCK_M=block_m, BLOCK_N=block_n, **dims,
+            PRECISION=precision_, INTERPRETED=interpreted_, num_warps=warps, num_stages=stages,
         )  # fmt: skip
-        if shared:
-            dk = dk.sum(2, keepdim=True).to(key.dtype)
-            dv = dv.sum(2, keepdim=True).to(value.dtype)
 
         block_m, block_n, warps, stages = _config("backward_q", query)
         if (block_m, block_n) == ctx.forward_blocks:
@@ -545,9 +495,9 @@ class _TritonSparseAttention(torch.autograd.Function):
         dq = torch.empty(query.shape, dtype=query.dtype, device=query.device)
         _backward_q[(-(-sq // block_m), b * heads)](
             query, key, value, grad_out, lse, delta, dq, bits, counts, blocks, sq, skv, heads, bits.shape[-1],
-            blocks.shape[-1], *_strides(query), *_kv_strides(key), *_kv_strides(value), *_strides(grad_out),
-            *_strides(dq), scale, scale * _LOG2E, BLOCK_M=block_m, BLOCK_N=block_n, **dims, PRECISION=precision,
-            INTERPRETED=interpreted, num_warps=warps, num_stages=stages,
+            blocks.shape[-1], *_strides(query), *_strides(key), *_strides(value), *_strides(grad_out),
+            *_strides(dq), scale, scale * _LOG2E, BLOCK_M=block_m, BLOCK_N=block_n, **dims, PRECISION=precision_,
+            INTERPRETED=interpreted_, num_warps=warps, num_stages=stages,
         )  # fmt: skip
         return dq, dk, dv, None, None
 
@@ -561,28 +511,22 @@ def sparse_attention_triton(
 ) -> torch.Tensor:
     """``unfused_dsa_fn``'s result (same layouts and dtype) from Triton kernels; differentiable.
 
-    ``key``/``value`` carry either ``np`` heads or one head shared by all query heads.
+    ``key``/``value`` carry one head per query head (``sparse_attention_mqa_triton`` takes one shared head).
     """
-    if query.dim() != 4 or key.dim() != 4 or value.dim() != 4:
-        raise ValueError(
-            f"query {tuple(query.shape)}, key {tuple(key.shape)}, value {tuple(value.shape)}: "
-            "expected [s, b, heads, head_dim] each"
-        )
-    sq, b, heads, hn = query.shape
+    check_attention_layout(query, key, value, topk_indices)
+    _, b, heads, hn = query.shape
     skv, kv_heads = key.shape[0], key.shape[2]
-    if topk_indices.dim() != 3 or topk_indices.shape[:2] != (b, sq):
-        raise ValueError(f"topk_indices {tuple(topk_indices.shape)}: expected [b={b}, sq={sq}, topk]")
     if topk_indices.dtype.is_floating_point or topk_indices.dtype in (torch.bool, torch.complex64, torch.complex128):
         raise ValueError(f"topk_indices has dtype {topk_indices.dtype}: expected an integer dtype")
     if key.shape[1] != b or key.shape[3] != hn or value.shape[:3] != (skv, b, kv_heads):
         raise ValueError(f"key {tuple(key.shape)} / value {tuple(value.shape)} do not match query {tuple(query.shape)}")
-    if kv_heads not in (1, heads):
-        raise ValueError(f"key/value have {kv_heads} heads: expected {heads} (one per query head) or 1 (shared)")
-    if not (query.dtype == key.dtype == value.dtype) or query.dtype not in (
-        torch.bfloat16,
-        torch.float16,
-        torch.float32,
-    ):
+    if kv_heads != heads:
+        raise ValueError(
+            f"key/value have {kv_heads} heads: expected {heads} (one per query head); one key head shared by every "
+            "query head (MQA / absorbed MLA) is dsa_attention_mqa_triton.sparse_attention_mqa_triton's, which "
+            "verl_npu.ops.dispatch routes it to"
+        )
+    if not (query.dtype == key.dtype == value.dtype) or query.dtype not in TRITON_DTYPES:
         raise ValueError(
             f"query/key/value dtypes {query.dtype}/{key.dtype}/{value.dtype}: expected one of bf16, fp16, fp32 for all"
         )
@@ -591,5 +535,5 @@ def sparse_attention_triton(
             f"query, key, value and topk_indices must be on one device; got {query.device}, {key.device}, "
             f"{value.device}, {topk_indices.device}"
         )
-    query, key, value = (_unit_last_stride(t) for t in (query, key, value))
+    query, key, value = (unit_last_stride(t) for t in (query, key, value))
     return _TritonSparseAttention.apply(query, key, value, topk_indices, float(softmax_scale))

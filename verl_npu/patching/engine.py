@@ -106,6 +106,22 @@ def _rebindable(obj: Any) -> bool:
     return inspect.isfunction(obj) or inspect.isclass(obj) or inspect.isbuiltin(obj)
 
 
+def _rebind_aliases(original: Any, replacement: Any, owner: Any) -> list[tuple[Any, str]]:
+    """Every other module's name bound to ``original`` (``from x import f``) now names ``replacement``."""
+    aliases: list[tuple[Any, str]] = []
+    if not _rebindable(original):
+        return aliases
+    for mod in list(sys.modules.values()):
+        namespace = getattr(mod, "__dict__", None)
+        if not namespace or mod is owner:
+            continue
+        for alias, value in list(namespace.items()):
+            if value is original:
+                setattr(mod, alias, replacement)
+                aliases.append((mod, alias))
+    return aliases
+
+
 class PatchEngine:
     """Per-process patch state. ``load()`` in verl_npu.megatron_adaptor owns the global one."""
 
@@ -188,12 +204,7 @@ class PatchEngine:
         with self._lock:
             if patch.id in self._active:  # apply twice == apply once
                 return self._records[patch.id]
-            holder = next((a for a in self._active.values() if a.patch.target == patch.target), None)
-            if holder is not None:
-                raise PatchConflictError(
-                    f"verl-npu patch {patch.id}: target {patch.target} is already patched by {holder.patch.id}; "
-                    "two patches of one target are refused (merge them into one)"
-                )
+            self._refuse_second_patch_of_target(patch)
             warnings_seen = self._check_versions(patch)
             if patch.condition is not None:
                 skip = patch.condition()
@@ -202,60 +213,68 @@ class PatchEngine:
 
             owner, name = _resolve_owner(module, patch.attribute_path)
             current = _raw_attribute(owner, name)
-            other = getattr(current, PATCH_MARK, None)
-            if other is not None and other != patch.id:
-                raise PatchConflictError(
-                    f"verl-npu patch {patch.id}: {patch.target} already carries patch {other} from elsewhere"
-                )
-            if patch.kind == "add":
-                if current is not _MISSING:
-                    warnings_seen.append(
-                        self._mismatch(
-                            patch,
-                            PatchDriftError,
-                            f"expected {name!r} to be absent from {owner.__name__}, found it defined upstream",
-                        )
-                    )
-                fingerprint_of = owner
-            else:
-                if current is _MISSING:
-                    raise PatchDriftError(
-                        f"verl-npu patch {patch.id}: expected {patch.target} to exist, found it missing "
-                        "(upstream renamed or removed it; review the patch)"
-                    )
-                fingerprint_of = current.__func__ if isinstance(current, staticmethod | classmethod) else current
-            if patch.fingerprint_of is not None:
-                fingerprint_of = _resolve(module, patch.fingerprint_of)
-            found = source_fingerprint(fingerprint_of)
-            if found != patch.source_sha256:
-                warnings_seen.append(
-                    self._mismatch(
-                        patch,
-                        PatchDriftError,
-                        f"source of {patch.target if patch.kind != 'add' else owner.__qualname__} changed: "
-                        f"expected sha256 {patch.source_sha256[:16]}..., found {found[:16]}...",
-                    )
-                )
+            warnings_seen += self._check_target(patch, module, owner, name, current)
 
             original = None if current is _MISSING else current
             replacement = patch.build(original)
             with contextlib.suppress(AttributeError, TypeError):
                 setattr(replacement, PATCH_MARK, patch.id)
             setattr(owner, name, replacement)
-            aliases: list[tuple[Any, str]] = []
-            if patch.kind != "add" and _rebindable(original):
-                for mod in list(sys.modules.values()):
-                    namespace = getattr(mod, "__dict__", None)
-                    if not namespace or mod is owner:
-                        continue
-                    for alias, value in list(namespace.items()):
-                        if value is original:
-                            setattr(mod, alias, replacement)
-                            aliases.append((mod, alias))
+            aliases = _rebind_aliases(original, replacement, owner) if patch.kind != "add" else []
             self._active[patch.id] = _Active(patch, owner, name, current, replacement, aliases)
             status = APPLIED_WITH_WARNING if warnings_seen else APPLIED
             detail = "; ".join(warnings_seen) if warnings_seen else f"{patch.kind} ({len(aliases)} aliases rebound)"
             return self._set(patch, status, detail)
+
+    def _refuse_second_patch_of_target(self, patch: Patch) -> None:
+        holder = next((a for a in self._active.values() if a.patch.target == patch.target), None)
+        if holder is not None:
+            raise PatchConflictError(
+                f"verl-npu patch {patch.id}: target {patch.target} is already patched by {holder.patch.id}; "
+                "two patches of one target are refused (merge them into one)"
+            )
+
+    def _check_target(self, patch: Patch, module: ModuleType, owner: Any, name: str, current: Any) -> list[str]:
+        """The target is what the patch was written against: unpatched, present (absent for ``add``), same source.
+
+        Returns the mismatches let through by the escape hatch; raises otherwise.
+        """
+        other = getattr(current, PATCH_MARK, None)
+        if other is not None and other != patch.id:
+            raise PatchConflictError(
+                f"verl-npu patch {patch.id}: {patch.target} already carries patch {other} from elsewhere"
+            )
+        warnings_seen = []
+        if patch.kind == "add":
+            if current is not _MISSING:
+                warnings_seen.append(
+                    self._mismatch(
+                        patch,
+                        PatchDriftError,
+                        f"expected {name!r} to be absent from {owner.__name__}, found it defined upstream",
+                    )
+                )
+            fingerprint_of = owner
+        else:
+            if current is _MISSING:
+                raise PatchDriftError(
+                    f"verl-npu patch {patch.id}: expected {patch.target} to exist, found it missing "
+                    "(upstream renamed or removed it; review the patch)"
+                )
+            fingerprint_of = current.__func__ if isinstance(current, staticmethod | classmethod) else current
+        if patch.fingerprint_of is not None:
+            fingerprint_of = _resolve(module, patch.fingerprint_of)
+        found = source_fingerprint(fingerprint_of)
+        if found != patch.source_sha256:
+            warnings_seen.append(
+                self._mismatch(
+                    patch,
+                    PatchDriftError,
+                    f"source of {patch.target if patch.kind != 'add' else owner.__qualname__} changed: "
+                    f"expected sha256 {patch.source_sha256[:16]}..., found {found[:16]}...",
+                )
+            )
+        return warnings_seen
 
     def revert(self, patch: Patch) -> None:
         """Undo a patch (tests only): the target and every rebound alias get the original back."""

@@ -308,10 +308,8 @@ def validate_with_verl(config: Any) -> list[Check]:
     return checks
 
 
-def engine_plans(config: Mapping[str, Any], hf_config: Any, platform: str = "ascend") -> list[Check]:
-    """The engine's build plan for each Megatron role (resolved config), the call the engine makes at build time."""
-    from verl_npu.engine.build_plan import BuildPlanError, build_plan
-
+def _megatron_roles(config: Mapping[str, Any]) -> dict[str, tuple[Mapping[str, Any], Mapping[str, Any]]]:
+    """Each Megatron role's (engine config, optimizer config): the actor, the reference model, an enabled critic."""
     arr = config["actor_rollout_ref"]
     roles = {"actor": (arr["actor"]["megatron"], arr["actor"].get("optim") or {})}
     if (arr.get("ref") or {}).get("megatron"):
@@ -319,10 +317,21 @@ def engine_plans(config: Mapping[str, Any], hf_config: Any, platform: str = "asc
     critic = config.get("critic") or {}
     if critic.get("enable") and critic.get("megatron"):
         roles["critic"] = (critic["megatron"], critic.get("optim") or {})
-    checks = []
+    return roles
+
+
+def engine_plans(config: Mapping[str, Any], hf_config: Any, platform: str) -> tuple[dict[str, Any], list[Check]]:
+    """The engine's build plan for each Megatron role (resolved config), the call the engine makes at build time.
+
+    Returns the roles' BuildPlans (those that build) and the checks: every violated rule of every role at once.
+    """
+    from verl_npu.engine.build_plan import BuildPlanError, build_plan
+
+    roles = _megatron_roles(config)
+    plans, checks = {}, []
     for role, (engine, optim) in roles.items():
         try:
-            plan = build_plan(engine, optim, hf_config, platform)
+            plan = plans[role] = build_plan(engine, optim, hf_config, platform)
         except BuildPlanError as exc:
             checks += [Check("engine", f"{role}-build-plan", FAIL, f"{role}: {problem}") for problem in exc.problems]
             continue
@@ -336,7 +345,7 @@ def engine_plans(config: Mapping[str, Any], hf_config: Any, platform: str = "asc
         if all(_layout_key(other) != key for other in layouts.values()):
             layouts[role] = engine
     checks += model_bridge_checks(hf_config, layouts)
-    return checks
+    return plans, checks
 
 
 def _layout_key(engine: Mapping[str, Any]) -> tuple:

@@ -68,6 +68,23 @@ class Launch:
     trainer_line: int | None
 
 
+_DEFAULT_OPS = (":-", "-", ":=", "=", ":?", "?", ":+", "+")
+
+
+@dataclass(frozen=True)
+class _Param:
+    """One parameter expansion being evaluated: its node, the nodes after the name, and the value found."""
+
+    node: Node
+    rest: list[Node]
+    hi: int  # where the operand ends (before the closing brace)
+    name: str
+    val: str | list[str] | None
+    star: bool
+    quoted: bool
+    line: int
+
+
 class _Taint:
     """What a value depends on that must be reported if the value reaches the trainer; variables carry theirs."""
 
@@ -522,83 +539,109 @@ class _Shell:
         return self.vars.get(name)
 
     def _expand(self, node: Node, ctx: _Taint, quoted: bool) -> Pieces:
+        """$NAME and ${...}: the value, its length (${#...}), a default (${x:-...}) or a transformation."""
         kids = [c for c in node.children if c.type not in ("$", "${", "}")]
         hi = node.children[-1].start_byte if node.children[-1].type == "}" else node.end_byte
         prefix = kids.pop(0).type if len(kids) > 1 and kids[0].type in ("#", "!") else None
         if not kids:
             return [(LIT, _text(node))]
-        target, rest, line = kids[0], kids[1:], _line(node)
-        name, val, star = _text(target), None, _text(target) == "*"
+        line = _line(node)
+        name, val, star = self._lookup(kids[0], ctx, line)
+        if prefix == "!" and isinstance(val, str):
+            name, val = val, self._var(val, ctx, line)
+        p = _Param(node, kids[1:], hi, name, val, star, quoted, line)
+        if prefix == "#":
+            if val is None:
+                ctx.unset[(name, line, self.nounset)] = None
+            return [(QUOTED, str(len(val or "")))]
+        op = p.rest[0].type if p.rest else None
+        if op in _DEFAULT_OPS:
+            return self._defaulted(p, op, ctx)
+        if val is None:
+            ctx.unset[(name, line, self.nounset)] = None
+            p = replace(p, val="")
+        if op is None:
+            return self._out(p.val, quoted, star)
+        return self._transform(p, op, ctx)
+
+    def _lookup(self, target: Node, ctx: _Taint, line: int) -> tuple[str, str | list[str] | None, bool]:
+        """(name, value, whether it is $* / ${A[*]}) of an expansion's parameter."""
+        name = _text(target)
         if target.type == "subscript":
             name, index = _text(target.child_by_field_name("name")), target.child_by_field_name("index")
             arr = self._var(name, ctx, line)
             items = arr if isinstance(arr, list) else ([] if arr is None else [arr])
             if _text(index) in ("@", "*"):
-                val, star = list(items), _text(index) == "*"
-            elif (i := self._calc(index, ctx) or 0) < len(items):
-                val = items[i]
-        elif name in ("@", "*"):
-            val, ctx.passthrough = list(self.args), True
-        elif name == "#":
-            val = str(len(self.args))
-        elif name.isdigit():
-            val = str(self.main.absolute()) if name == "0" else dict(enumerate(self.args, 1)).get(int(name))
-        elif target.type == "special_variable_name":
+                return name, list(items), _text(index) == "*"
+            i = self._calc(index, ctx) or 0
+            return name, items[i] if i < len(items) else None, False
+        if name in ("@", "*"):
+            ctx.passthrough = True
+            return name, list(self.args), name == "*"
+        if name == "#":
+            return name, str(len(self.args)), False
+        if name.isdigit():
+            return (
+                name,
+                str(self.main.absolute()) if name == "0" else dict(enumerate(self.args, 1)).get(int(name)),
+                False,
+            )
+        if target.type == "special_variable_name":
             ctx.unknown[f"${name} is only known while the script runs"] = line
-            val = f"<${name}>"
-        elif isinstance(val := self._var(name, ctx, line), list):  # $ARR is its first element
+            return name, f"<${name}>", False
+        val = self._var(name, ctx, line)
+        if isinstance(val, list):  # $ARR is its first element
             val = val[0] if val else None
-        if prefix == "!" and isinstance(val, str):
-            name, val = val, self._var(val, ctx, line)
-        op = rest[0].type if rest else None
+        return name, val, False
 
-        def operand(q: bool = quoted, sub: _Taint = ctx, lo: int = 0, end: int = hi) -> Pieces:
-            return self._span(node, sub, lo or rest[0].end_byte, end, rest[1:], q, UNQUOTED)
+    def _operand(self, p: _Param, ctx: _Taint, quoted: bool, lo: int = 0, end: int = 0) -> Pieces:
+        """The word after the operator (from ``lo`` to ``end`` when given)."""
+        return self._span(p.node, ctx, lo or p.rest[0].end_byte, end or p.hi, p.rest[1:], quoted, UNQUOTED)
 
-        if prefix == "#":
-            if val is None:
-                ctx.unset[(name, line, self.nounset)] = None
-            return [(QUOTED, str(len(val or "")))]
-        if op in (":-", "-", ":=", "=", ":?", "?", ":+", "+"):
-            missing = val is None or (op[0] == ":" and not val)
-            if op in (":+", "+") and not missing:
-                return operand()
-            if op in (":+", "+", ":?", "?") or not missing:
-                if missing and "?" in op:
-                    ctx.required.append((name, _join(operand(True)) or "parameter null or not set", line))
-                return self._out(val, quoted, star) if not missing else [(QUOTED, "")] if quoted else []
-            sub = _Taint()
-            pieces = operand(sub=sub)
-            ctx.merge(sub)
-            if "=" in op:
-                self._set(name, _join(pieces), sub)
-            return pieces
-        if val is None:
-            ctx.unset[(name, line, self.nounset)] = None
-            val = ""
-        if op is None:
-            return self._out(val, quoted, star)
+    def _defaulted(self, p: _Param, op: str, ctx: _Taint) -> Pieces:
+        """${x:-w} ${x-w} ${x:=w} ${x=w} ${x:?w} ${x?w} ${x:+w} ${x+w}."""
+        missing = p.val is None or (op[0] == ":" and not p.val)
+        if op in (":+", "+") and not missing:
+            return self._operand(p, ctx, p.quoted)
+        if op in (":+", "+", ":?", "?") or not missing:
+            if missing and "?" in op:
+                message = _join(self._operand(p, ctx, True)) or "parameter null or not set"
+                ctx.required.append((p.name, message, p.line))
+            if not missing:
+                return self._out(p.val, p.quoted, p.star)
+            return [(QUOTED, "")] if p.quoted else []
+        sub = _Taint()
+        pieces = self._operand(p, sub, p.quoted)
+        ctx.merge(sub)
+        if "=" in op:
+            self._set(p.name, _join(pieces), sub)
+        return pieces
+
+    def _transform(self, p: _Param, op: str, ctx: _Taint) -> Pieces:
+        """${x#w} ${x%w} ${x/a/b} ${x,,} ${x^^} ${x:start:length}, on each element of an array value."""
+        val, rest = p.val, p.rest
         values, apply = (val if isinstance(val, list) else [val]), None
         if op in ("#", "##", "%", "%%"):
-            pattern = _join(operand(True))
-            apply = functools.partial(_trim, op=op, pattern=pattern)
+            apply = functools.partial(_trim, op=op, pattern=_join(self._operand(p, ctx, True)))
         elif op in ("/", "//") and (cut := next((k for k in rest[1:] if k.type == "/"), None)):
-            find, repl = _join(operand(True, end=cut.start_byte)), _join(operand(True, lo=cut.end_byte))
+            find = _join(self._operand(p, ctx, True, end=cut.start_byte))
+            repl = _join(self._operand(p, ctx, True, lo=cut.end_byte))
             if not re.search(r"[*?\[]", find):
                 apply = lambda v: v.replace(find, repl, -1 if op == "//" else 1)  # noqa: E731
         elif op in (",,", "^^"):
             apply = str.lower if op == ",," else str.upper
         elif op == ":" and (numbers := [self._calc(k, ctx) for k in rest[1:] if k.type != ":"]) and None not in numbers:
-            start = numbers[0] - (name == "@")  # ${@:1} starts at $1, which is args[0]
+            start = numbers[0] - (p.name == "@")  # ${@:1} starts at $1, which is args[0]
             stop = start + numbers[1] if len(numbers) > 1 else None
             if isinstance(val, list):
-                return self._out(values[start:stop], quoted, star)
+                return self._out(values[start:stop], p.quoted, p.star)
             apply = lambda v: v[start:stop]  # noqa: E731
         if apply is None:
-            ctx.unknown[f"{_text(node)} is not understood by preflight; the trainer gets <{_text(node)}>"] = line
-            return [(QUOTED, f"<{_text(node)}>")]
+            text = _text(p.node)
+            ctx.unknown[f"{text} is not understood by preflight; the trainer gets <{text}>"] = p.line
+            return [(QUOTED, f"<{text}>")]
         mapped = [apply(v) for v in values]
-        return self._out(mapped if isinstance(val, list) else mapped[0], quoted, star)
+        return self._out(mapped if isinstance(val, list) else mapped[0], p.quoted, p.star)
 
     @staticmethod
     def _out(val: str | list[str], quoted: bool, star: bool) -> Pieces:

@@ -73,20 +73,14 @@ from __future__ import annotations
 
 import dataclasses
 
+from verl_npu.dtypes import nbytes as _bytes
+from verl_npu.dtypes import parse as _dtype
+from verl_npu.engine.build_plan import PLATFORMS
 from verl_npu.engine.host_arena import default_strategy
 from verl_npu.engine.host_arena import host_bytes as arena_host_bytes
 from verl_npu.preflight.model_shape import ModelShape
 
 GiB = 2**30
-PLATFORMS = ("ascend", "cuda", "cpu")  # as in verl_npu.engine.build_plan
-DTYPE_BYTES = {"fp32": 4, "float32": 4, "bf16": 2, "bfloat16": 2, "fp16": 2, "float16": 2, "fp8": 1, "int16": 2}
-
-
-def _bytes(dtype: str) -> int:
-    try:
-        return DTYPE_BYTES[dtype]
-    except KeyError:
-        raise ValueError(f"unknown dtype {dtype!r}; known: {', '.join(DTYPE_BYTES)}") from None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -177,8 +171,8 @@ class Precision:
         if self.optimizer not in ("adam", "sgd"):
             raise ValueError(f"optimizer {self.optimizer!r}: only adam and sgd are modelled")
         pa = self.use_precision_aware_optimizer
-        if pa and self.store_param_remainders and self.params_dtype in ("bf16", "bfloat16"):
-            main = "int16" if self.main_params_dtype in ("fp32", "float32") else self.main_params_dtype
+        if pa and self.store_param_remainders and _dtype(self.params_dtype) == "bf16":
+            main = "int16" if _dtype(self.main_params_dtype) == "fp32" else self.main_params_dtype
         elif pa:
             main = self.main_params_dtype
         else:

@@ -187,6 +187,24 @@ class ModelShape:
             total -= expert - expert * self.router_topk // max(self.num_experts, 1)
         return total
 
+    def describe(self) -> dict[str, Any]:
+        """What preflight's report says about the model (its "model" entry)."""
+        described = {
+            "model_type": self.model_type,
+            "layers": self.num_layers,
+            "hidden_size": self.hidden_size,
+            "experts": self.num_experts,
+            "total_params": self.total_params(),
+            "active_params": self.active_params(),
+        }
+        if self.dsa:
+            kinds = self.indexer_kinds()
+            described["dsa_indexers"] = {
+                "full": [i for i, kind in enumerate(kinds) if kind == "full"],
+                "shared": [i for i, kind in enumerate(kinds) if kind == "shared"],
+            }
+        return described
+
     # --- construction ---------------------------------------------------------------------------
     @classmethod
     def from_hf(cls, config: Any) -> ModelShape:
@@ -231,38 +249,45 @@ class ModelShape:
                 is_moe=tuple(_moe_layers(model_type, cfg, layers)),
             )
         if cfg.get("kv_lora_rank"):
-            for key in ("qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"):
-                if cfg.get(key) is None:
-                    raise ValueError(f"model config ({model_type}) uses MLA (kv_lora_rank) but has no {key!r}")
-            fields.update(
-                num_query_groups=a,  # MLA: every head has its own (decompressed) key and value
-                head_dim=cfg["qk_nope_head_dim"] + cfg["qk_rope_head_dim"],
-                q_lora_rank=cfg.get("q_lora_rank"),
-                kv_lora_rank=cfg["kv_lora_rank"],
-                qk_nope_head_dim=cfg["qk_nope_head_dim"],
-                qk_rope_head_dim=cfg["qk_rope_head_dim"],
-                v_head_dim=cfg["v_head_dim"],
-            )
-            if cfg.get("index_topk"):
-                for key in ("index_n_heads", "index_head_dim"):
-                    if cfg.get(key) is None:
-                        raise ValueError(f"model config ({model_type}) has a DSA indexer but no {key!r}")
-                fields.update(
-                    index_n_heads=cfg["index_n_heads"],
-                    index_head_dim=cfg["index_head_dim"],
-                    index_topk=cfg["index_topk"],
-                    index_share=model_type == "glm_moe_dsa",
-                )
-                kinds = cfg.get("indexer_types")
-                if kinds is not None:
-                    if len(kinds) != layers or set(kinds) - {"full", "shared"}:
-                        raise ValueError(
-                            f"model config ({model_type}): indexer_types must list 'full' or 'shared' for each of "
-                            f"the {layers} layers"
-                        )
-                    if "shared" in kinds:
-                        fields["indexer_full"] = tuple(kind == "full" for kind in kinds)
+            fields.update(_mla_fields(model_type, cfg))
         return cls(**fields)
+
+
+def _mla_fields(model_type: str, cfg: dict[str, Any]) -> dict[str, Any]:
+    """Multi-latent attention's fields, and the DSA indexer's (GLM-5.2's full / shared layers) when it has one."""
+    layers = cfg["num_hidden_layers"]
+    for key in ("qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"):
+        if cfg.get(key) is None:
+            raise ValueError(f"model config ({model_type}) uses MLA (kv_lora_rank) but has no {key!r}")
+    mla: dict[str, Any] = dict(
+        num_query_groups=cfg["num_attention_heads"],  # MLA: every head has its own (decompressed) key and value
+        head_dim=cfg["qk_nope_head_dim"] + cfg["qk_rope_head_dim"],
+        q_lora_rank=cfg.get("q_lora_rank"),
+        kv_lora_rank=cfg["kv_lora_rank"],
+        qk_nope_head_dim=cfg["qk_nope_head_dim"],
+        qk_rope_head_dim=cfg["qk_rope_head_dim"],
+        v_head_dim=cfg["v_head_dim"],
+    )
+    if cfg.get("index_topk"):
+        for key in ("index_n_heads", "index_head_dim"):
+            if cfg.get(key) is None:
+                raise ValueError(f"model config ({model_type}) has a DSA indexer but no {key!r}")
+        mla.update(
+            index_n_heads=cfg["index_n_heads"],
+            index_head_dim=cfg["index_head_dim"],
+            index_topk=cfg["index_topk"],
+            index_share=model_type == "glm_moe_dsa",
+        )
+        kinds = cfg.get("indexer_types")
+        if kinds is not None:
+            if len(kinds) != layers or set(kinds) - {"full", "shared"}:
+                raise ValueError(
+                    f"model config ({model_type}): indexer_types must list 'full' or 'shared' for each of "
+                    f"the {layers} layers"
+                )
+            if "shared" in kinds:
+                mla["indexer_full"] = tuple(kind == "full" for kind in kinds)
+    return mla
 
 
 def _moe_layers(model_type: str, cfg: dict[str, Any], layers: int) -> list[bool]:

@@ -1,23 +1,54 @@
-"""Preflight output: a rich table of checks, the memory breakdown per pipeline stage, JSON and a plot."""
+"""Preflight's result: the report (checks, model, memory estimate), as a rich table, JSON and a plot."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
-from rich.console import Console
-from rich.markup import escape
-from rich.table import Table
+from verl_npu.preflight.checks import FAIL, OK, WARN, Check, verdict
 
-from verl_npu.preflight import PreflightReport
-from verl_npu.preflight.checks import FAIL, OK, WARN
-from verl_npu.preflight.memory import GiB
+if TYPE_CHECKING:  # rich loads when a report is printed, not when preflight starts
+    from rich.console import Console
+    from rich.table import Table
+
+
+@dataclasses.dataclass
+class PreflightReport:
+    source: str
+    chip: str
+    checks: list[Check]
+    overrides: list[str]
+    model: dict[str, Any] | None = None
+    memory: Any = None  # verl_npu.preflight.memory.MemoryEstimate
+    model_origin: str | None = None  # FROM_MODEL_CONFIG, FROM_MODEL_PATH, FROM_BESIDE_SCRIPT or FROM_NAME
+
+    @property
+    def verdict(self) -> str:
+        return verdict(self.checks)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "source": self.source,
+            "chip": self.chip,
+            "verdict": self.verdict,
+            "checks": [c.to_dict() for c in self.checks],
+            "overrides": self.overrides,
+            "model": self.model,
+            "model_origin": self.model_origin,
+            "memory": self.memory.to_dict() if self.memory is not None else None,
+        }
+
 
 _STATUS = {OK: "[green]ok[/]", WARN: "[yellow]warn[/]", FAIL: "[bold red]FAIL[/]"}
 COMPONENTS = ("weights", "grads", "optimizer", "activations", "carry", "workspace", "overhead")
 
 
 def checks_table(report: PreflightReport) -> Table:
+    from rich.markup import escape
+    from rich.table import Table
+
     table = Table(title=f"verl-npu preflight: {report.source} (chip {report.chip})", show_lines=False)
     table.add_column("area")
     table.add_column("check")
@@ -29,6 +60,10 @@ def checks_table(report: PreflightReport) -> Table:
 
 
 def memory_table(report: PreflightReport) -> Table | None:
+    from rich.table import Table
+
+    from verl_npu.preflight.memory import GiB
+
     memory = report.memory
     if memory is None:
         return None
@@ -107,6 +142,8 @@ def plot(report: PreflightReport, path: Path) -> None:
     if report.memory is None:
         raise ValueError("no memory estimate to plot (an earlier check failed); see the report")
     import matplotlib
+
+    from verl_npu.preflight.memory import GiB
 
     matplotlib.use("Agg")  # files only: preflight runs on headless machines
     import matplotlib.pyplot as plt

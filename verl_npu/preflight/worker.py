@@ -78,6 +78,11 @@ class PreflightWorker:
                 env=env,
             )
 
+    @property
+    def running(self) -> bool:
+        """A child process is working on the answer (no cached one)."""
+        return self._child is not None and self._child.poll() is None
+
     def _cached_answer(self) -> dict[str, Any] | None:
         if self._cache is None or not self._cache.is_file():
             return None
@@ -125,7 +130,8 @@ class PreflightWorker:
 
 
 def _serve() -> None:
-    from verl_npu.preflight import config_check, resolve_model
+    from verl_npu.preflight import config_check
+    from verl_npu.preflight.model import resolve_model
 
     config_check.import_verl_quietly()  # the slow part, before the request arrives
     from omegaconf import OmegaConf

@@ -1,6 +1,7 @@
 """verl-npu's runtime patches, one module per change; ``ALL`` is the registry the layer applies.
 
-Each module states what it changes, why, the upstream code it targets and when to remove it.
+Each module states what it changes, why, the upstream code it targets and when to remove it, and
+exports its patches as ``PATCHES`` (a tuple); constants several of them share are in ``_targets``.
 docs/patches.md is generated from this registry (`verl-npu patches --markdown`).
 """
 
@@ -18,16 +19,19 @@ from verl_npu.runtime_patches import (
     rope_cpu_init,
 )
 
-ALL = (
-    ray_runtime_env.PATCH,
-    dsa_indexer_rotation.PATCH,
-    dsa_call_context.PATCH,
-    dsa_sparse_attention.PATCH,
-    *dsa_indexer_without_loss.PATCHES,
-    dsa_indexer_loss.PATCH,
-    *dsa_indexer_topk_eval.PATCHES,
-    *dsa_index_share.PATCHES,
-    *dsa_local_spec.PATCHES,
-    *rope_cpu_init.PATCHES,
-    mbridge_glm5.PATCH,
+# in the order the layer applies them
+MODULES = (
+    ray_runtime_env,
+    dsa_indexer_rotation,
+    dsa_call_context,
+    dsa_sparse_attention,
+    dsa_indexer_without_loss,
+    dsa_indexer_loss,
+    dsa_indexer_topk_eval,
+    dsa_index_share,
+    dsa_local_spec,
+    rope_cpu_init,
+    mbridge_glm5,
 )
+
+ALL = tuple(patch for module in MODULES for patch in module.PATCHES)

@@ -22,8 +22,7 @@ import functools
 import inspect
 
 from verl_npu.patching import Patch
-
-DSA_MODULE = "megatron.core.transformer.experimental_attention_variant.dsa"
+from verl_npu.runtime_patches._targets import DSA_MODULE, EVERY_PLATFORM, MEGATRON_CORE
 
 # None outside DSAttention.forward; inside it, whether its attn_mask_type is causal
 _CAUSAL = contextvars.ContextVar("verl_npu_dsa_attention_causal", default=None)
@@ -66,8 +65,8 @@ PATCH = Patch(
     id="dsa-call-context",
     target=f"{DSA_MODULE}:DSAttention.forward",
     kind="wrap",
-    platforms=frozenset({"ascend", "cuda", "cpu"}),
-    requires={"megatron-core": "==0.18.0"},
+    platforms=EVERY_PLATFORM,
+    requires=MEGATRON_CORE,
     source_sha256="4ed023882ef6a032906cc5636f9def6169179307a67d3e2e99454b1e5a82bdbc",
     reason="the chunked DSA patches must know whether a 2-D float mask is DSAttention's causal mask (a b=1 padding "
     "mask is 2-D too); DSAttention.forward records its attn_mask_type for them",
@@ -76,3 +75,4 @@ PATCH = Patch(
     "are removed",
     build=_build,
 )
+PATCHES = (PATCH,)

@@ -32,9 +32,8 @@ import functools
 
 from verl_npu.engine import index_share
 from verl_npu.patching import Patch
+from verl_npu.runtime_patches._targets import EVERY_PLATFORM, MEGATRON_CORE
 
-MEGATRON = {"megatron-core": "==0.18.0"}
-ALL_PLATFORMS = frozenset({"ascend", "cuda", "cpu"})
 REMOVE_WHEN = "megatron-core shares DSA top-k across layers (IndexShare) itself"
 
 
@@ -181,8 +180,8 @@ P2P = "megatron.core.pipeline_parallel.p2p_communication:P2PCommunicator"
 MS_DSA = "mindspeed.core.transformer.experimental_attention_variant"
 _PIPELINE = dict(
     kind="wrap",
-    platforms=ALL_PLATFORMS,
-    requires=MEGATRON,
+    platforms=EVERY_PLATFORM,
+    requires=MEGATRON_CORE,
     reason="a pipeline stage that begins with a shared DSA layer needs the previous stage's latest top-k for each "
     "micro-batch; it is sent after the activations",
     remove_when=REMOVE_WHEN,
@@ -190,7 +189,7 @@ _PIPELINE = dict(
 _MINDSPEED = dict(
     kind="wrap",
     platforms=frozenset({"ascend"}),
-    requires=MEGATRON,
+    requires=MEGATRON_CORE,
     reason="on MindSpeed's fused DSA path a full layer's top-k reaches the sparse-attention operator, not verl-npu's "
     "sparse attention: it is reported from there for the shared layers after it",
     remove_when=REMOVE_WHEN,
@@ -201,8 +200,8 @@ PATCHES = (
         id="dsa-index-share-forward",
         target="megatron.core.transformer.transformer_block:TransformerBlock.forward",
         kind="wrap",
-        platforms=ALL_PLATFORMS,
-        requires=MEGATRON,
+        platforms=EVERY_PLATFORM,
+        requires=MEGATRON_CORE,
         source_sha256="c77479d9a9f03360543589d72a3d316e0331b3c0ea41bf6eb34e35c0a8733f58",
         reason="GLM-5.2's shared DSA layers reuse the most recent full layer's top-k (megatron-core 0.18 computes "
         "one in every layer); each forward pass gets its own top-k carry, so none leaks across micro-batches",
@@ -214,8 +213,8 @@ PATCHES = (
         id="dsa-index-share-recompute",
         target="megatron.core.tensor_parallel:checkpoint",
         kind="wrap",
-        platforms=ALL_PLATFORMS,
-        requires=MEGATRON,
+        platforms=EVERY_PLATFORM,
+        requires=MEGATRON_CORE,
         source_sha256="1d01f06366660e94c3a79dcbea0324cabc36c433568e19c487e541e5cef0d625",
         reason="a shared DSA layer recomputed in backward must read the top-k its forward read, not one published "
         "later; a checkpointed chunk recomputes with the carry it started with",

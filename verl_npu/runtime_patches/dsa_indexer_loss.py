@@ -22,9 +22,8 @@ Remove when: megatron-core's DSA indexer loss no longer materialises dense [s, s
 from __future__ import annotations
 
 from verl_npu.patching import Patch
+from verl_npu.runtime_patches._targets import DSA_MODULE, EVERY_PLATFORM, MEGATRON_CORE
 from verl_npu.runtime_patches.dsa_call_context import causal_dsa_mask
-
-DSA_MODULE = "megatron.core.transformer.experimental_attention_variant.dsa"
 
 
 def _build(original):
@@ -56,8 +55,8 @@ PATCH = Patch(
     id="dsa-indexer-loss-chunked",
     target=f"{DSA_MODULE}:FusedDSAIndexerLoss",
     kind="replace",
-    platforms=frozenset({"ascend", "cuda", "cpu"}),
-    requires={"megatron-core": "==0.18.0"},
+    platforms=EVERY_PLATFORM,
+    requires=MEGATRON_CORE,
     source_sha256="d542c6d7c40638e84dd62c76b9a4df98cc6c37fb33ca4872f743877e4ee59515",
     reason="with dsa_indexer_loss_coeff > 0 megatron builds dense fp32 attention and index scores for the "
     "indexer's KL loss in forward and backward (O(s^2 * heads)); computed in query chunks, O(chunk * s)",
@@ -65,3 +64,4 @@ PATCH = Patch(
     remove_when="megatron-core's DSA indexer loss no longer materialises dense [s, s] scores",
     build=_build,
 )
+PATCHES = (PATCH,)

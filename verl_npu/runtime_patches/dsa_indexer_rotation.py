@@ -27,8 +27,7 @@ import torch
 from verl_npu.engine import index_share
 from verl_npu.ops import dispatch
 from verl_npu.patching import Patch
-
-DSA_MODULE = "megatron.core.transformer.experimental_attention_variant.dsa"
+from verl_npu.runtime_patches._targets import DSA_MODULE, EVERY_PLATFORM, MEGATRON_CORE
 
 
 def _build(original):
@@ -48,8 +47,8 @@ PATCH = Patch(
     id="dsa-indexer-rotation",
     target=f"{DSA_MODULE}:rotate_activation",
     kind="replace",
-    platforms=frozenset({"ascend", "cuda", "cpu"}),
-    requires={"megatron-core": "==0.18.0"},
+    platforms=EVERY_PLATFORM,
+    requires=MEGATRON_CORE,
     source_sha256="9e24698e62e7c66a025514754dcaeaaaab20d0b82b6766795d0ad20e80790652",
     reason="the DSA indexer's rotation needs the CUDA-only fast_hadamard_transform (a PyTorch fallback here), and "
     "GLM-5's reference computes the index scores without it (off in its IndexShare layers)",
@@ -57,3 +56,4 @@ PATCH = Patch(
     remove_when="megatron-core provides a non-CUDA Hadamard path for DSA and lets a model skip the rotation",
     build=_build,
 )
+PATCHES = (PATCH,)

@@ -22,9 +22,8 @@ import contextvars
 import functools
 
 from verl_npu.patching import Patch
+from verl_npu.runtime_patches._targets import DSA_MODULE, EVERY_PLATFORM, MEGATRON_CORE
 from verl_npu.runtime_patches.dsa_call_context import causal_dsa_mask, inside_dsa_attention
-
-DSA_MODULE = "megatron.core.transformer.experimental_attention_variant.dsa"
 
 # set while DSAIndexer.forward, which discards forward_with_scores' scores, is running
 _SCORES_DISCARDED = contextvars.ContextVar("verl_npu_dsa_index_scores_discarded", default=False)
@@ -61,8 +60,8 @@ def _forward_with_scores(original):
 
 COMMON = dict(
     kind="wrap",
-    platforms=frozenset({"ascend", "cuda", "cpu"}),
-    requires={"megatron-core": "==0.18.0"},
+    platforms=EVERY_PLATFORM,
+    requires=MEGATRON_CORE,
     reason="without gradients (log-probs) megatron's DSA indexer builds [s, b, index_heads, s] fp32 scores only to "
     "take their top-k and discard them; top-k chosen in query chunks instead",
     remove_when="megatron-core selects the DSA indexer's top-k without materialising the index scores",

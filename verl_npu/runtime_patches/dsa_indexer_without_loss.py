@@ -22,9 +22,8 @@ import functools
 import torch
 
 from verl_npu.patching import Patch
+from verl_npu.runtime_patches._targets import DSA_MODULE, EVERY_PLATFORM, MEGATRON_CORE
 from verl_npu.runtime_patches.dsa_call_context import causal_dsa_mask
-
-DSA_MODULE = "megatron.core.transformer.experimental_attention_variant.dsa"
 
 
 def _forward(original):
@@ -62,8 +61,8 @@ def _backward(original):
 
 COMMON = dict(
     kind="wrap",
-    platforms=frozenset({"ascend", "cuda", "cpu"}),
-    requires={"megatron-core": "==0.18.0"},
+    platforms=EVERY_PLATFORM,
+    requires=MEGATRON_CORE,
     reason="with dsa_indexer_loss_coeff=0 megatron still builds dense index and attention scores for the "
     "indexer's KL loss (O(s^2 * heads)); skipped, top-k chosen in query chunks",
     remove_when="megatron-core skips the DSA indexer loss when its coefficient is 0",

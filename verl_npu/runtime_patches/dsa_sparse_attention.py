@@ -17,8 +17,7 @@ Remove when: megatron-core's DSA computes attention over the selected keys only.
 from __future__ import annotations
 
 from verl_npu.patching import Patch
-
-DSA_MODULE = "megatron.core.transformer.experimental_attention_variant.dsa"
+from verl_npu.runtime_patches._targets import DSA_MODULE, EVERY_PLATFORM, MEGATRON_CORE
 
 
 def _build(original):
@@ -37,8 +36,8 @@ PATCH = Patch(
     id="dsa-sparse-attention",
     target=f"{DSA_MODULE}:unfused_dsa_fn",
     kind="replace",
-    platforms=frozenset({"ascend", "cuda", "cpu"}),
-    requires={"megatron-core": "==0.18.0"},
+    platforms=EVERY_PLATFORM,
+    requires=MEGATRON_CORE,
     source_sha256="c841056b66af4b8b3fa420820f68424ad52948096f4b8169d97a4ed216adeba6",
     reason="megatron's reference DSA attention is dense (O(s^2) per head); the dispatcher's backends (torch_npu, "
     "Triton, portable chunks) keep it O(s * topk) in memory",
@@ -46,3 +45,4 @@ PATCH = Patch(
     remove_when="megatron-core's DSA attention is sparse (memory proportional to top-k)",
     build=_build,
 )
+PATCHES = (PATCH,)

@@ -14,6 +14,7 @@ Remove when: mbridge ships a glm_moe_dsa bridge with DSA for megatron-core 0.18 
 from __future__ import annotations
 
 from verl_npu.patching import Patch
+from verl_npu.runtime_patches._targets import EVERY_PLATFORM, MEGATRON_CORE
 
 MODEL_TYPE = "glm_moe_dsa"
 
@@ -41,8 +42,8 @@ PATCH = Patch(
     id="mbridge-glm5-bridge",
     target="mbridge.models:GLM5Bridge",
     kind="add",
-    platforms=frozenset({"ascend", "cuda", "cpu"}),
-    requires={"mbridge": "==0.15.1", "megatron-core": "==0.18.0"},
+    platforms=EVERY_PLATFORM,
+    requires={"mbridge": "==0.15.1", **MEGATRON_CORE},
     source_sha256="edc6247c53a6714865ddc86dc750ecaca023ba6059c733eb9ecb61c35e286bbc",
     reason="mbridge has no glm_moe_dsa bridge, so verl's vanilla-mbridge path cannot build GLM-5 (MLA + MoE + DSA)",
     upstream="mbridge 0.15.1 mbridge/models/__init__.py (bridges registered with core/bridge.py::register_model)",
@@ -50,3 +51,4 @@ PATCH = Patch(
     build=_build,
     condition=_registered_upstream,
 )
+PATCHES = (PATCH,)

@@ -27,6 +27,7 @@ import os
 
 from verl_npu.envfile import env_file_variables  # re-exported: the reader moved to a torch-free module
 from verl_npu.patching import Patch
+from verl_npu.runtime_patches._targets import EVERY_PLATFORM
 
 FORWARDED_VARIABLES = (
     "VERL_USE_EXTERNAL_MODULES",
@@ -72,7 +73,7 @@ PATCH = Patch(
     id="ray-runtime-env-forwarding",
     target="verl.trainer.constants_ppo:get_ppo_ray_runtime_env",
     kind="wrap",
-    platforms=frozenset({"ascend", "cuda", "cpu"}),
+    platforms=EVERY_PLATFORM,
     requires={"verl": "==0.9.1"},
     source_sha256="ed578af6fe2ba5c7824be0b4300ce6f1efbeed9cc7218da98bbf8e173798437c",
     reason="verl's Ray runtime env drops VERL_USE_EXTERNAL_MODULES and the HCCL/determinism variables, "
@@ -81,3 +82,4 @@ PATCH = Patch(
     remove_when="verl forwards VERL_USE_EXTERNAL_MODULES and HCCL_* variables to Ray workers",
     build=_build,
 )
+PATCHES = (PATCH,)

@@ -20,10 +20,9 @@ import contextvars
 import functools
 
 from verl_npu.patching import Patch
+from verl_npu.runtime_patches._targets import DSA_MODULE, EVERY_PLATFORM, MEGATRON_CORE
 
 _BUILDING_ON_CPU: contextvars.ContextVar[bool] = contextvars.ContextVar("verl_npu_rope_cpu_init", default=False)
-DSA_MODULE = "megatron.core.transformer.experimental_attention_variant.dsa"
-REQUIRES = {"megatron-core": "==0.18.0"}
 REMOVE_WHEN = "MLA and DSAIndexer pass config.use_cpu_initialization to their rotary embeddings"
 
 
@@ -53,8 +52,8 @@ INDEXER = Patch(
     id="dsa-indexer-cpu-init",
     target=f"{DSA_MODULE}:DSAIndexer.__init__",
     kind="wrap",
-    platforms=frozenset({"cpu", "cuda", "ascend"}),
-    requires=REQUIRES,
+    platforms=EVERY_PLATFORM,
+    requires=MEGATRON_CORE,
     source_sha256="0f1315e246c3eb240b6a4391faed6da19205274b2a584bf1beb5b8eaac67b040",
     reason="DSAIndexer builds its rotary embedding on torch.cuda.current_device() even with use_cpu_initialization",
     upstream="megatron-core 0.18.0 transformer/experimental_attention_variant/dsa.py::DSAIndexer.__init__",
@@ -66,8 +65,8 @@ MLA = Patch(
     id="mla-cpu-init",
     target="megatron.core.transformer.multi_latent_attention:MultiLatentAttention.__init__",
     kind="wrap",
-    platforms=frozenset({"cpu", "cuda", "ascend"}),
-    requires=REQUIRES,
+    platforms=EVERY_PLATFORM,
+    requires=MEGATRON_CORE,
     source_sha256="7e586ab64bad717729e77b39306992172e7c9f9abe37b04d7fbdc5f384daf6e1",
     reason="MLA builds its rotary embedding on torch.cuda.current_device() even with use_cpu_initialization",
     upstream="megatron-core 0.18.0 transformer/multi_latent_attention.py::MultiLatentAttention.__init__",
@@ -79,8 +78,8 @@ ROPE = Patch(
     id="rope-cpu-init",
     target="megatron.core.models.common.embeddings.rotary_pos_embedding:RotaryEmbedding.__init__",
     kind="wrap",
-    platforms=frozenset({"cpu", "cuda", "ascend"}),
-    requires=REQUIRES,
+    platforms=EVERY_PLATFORM,
+    requires=MEGATRON_CORE,
     source_sha256="a90792e84777f23b6f5edb742bec00a1510351b25f7f9bca8ac55aa8f3f997c0",
     reason="lets the RotaryEmbedding of MLA and the DSA indexer follow config.use_cpu_initialization",
     upstream="megatron-core 0.18.0 models/common/embeddings/rotary_pos_embedding.py::RotaryEmbedding.__init__",
@@ -92,8 +91,8 @@ YARN = Patch(
     id="yarn-rope-cpu-init",
     target="megatron.core.models.common.embeddings.yarn_rotary_pos_embedding:YarnRotaryEmbedding.__init__",
     kind="wrap",
-    platforms=frozenset({"cpu", "cuda", "ascend"}),
-    requires=REQUIRES,
+    platforms=EVERY_PLATFORM,
+    requires=MEGATRON_CORE,
     source_sha256="ca720c8478790bcbc198fb9487530a35d77a42b84d6c7e0cfcbb67f5d98a27fa",
     reason="lets the YarnRotaryEmbedding of MLA and the DSA indexer follow config.use_cpu_initialization",
     upstream="megatron-core 0.18.0 models/common/embeddings/yarn_rotary_pos_embedding.py::YarnRotaryEmbedding.__init__",

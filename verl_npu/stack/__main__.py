@@ -1,4 +1,7 @@
-"""``python -m verl_npu.stack``: the manifest for install.sh (plan, constraints, JSON)."""
+"""``python -m verl_npu.stack``: the manifest for install.sh (plan, constraints, JSON) and the node's target.
+
+install.sh runs it with a bare Python before anything is installed: standard library only.
+"""
 
 from __future__ import annotations
 
@@ -6,11 +9,12 @@ import argparse
 import json
 import sys
 
+from verl_npu.stack.detect import UnknownChipError, detect_target
 from verl_npu.stack.manifest import MANIFEST_PATH, TARGETS, StackError, load_stack
 from verl_npu.stack.plan import install_plan
 
 
-def main(argv: list[str] | None = None) -> int:
+def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m verl_npu.stack", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     plan = sub.add_parser("plan", help="print the install plan for a target, one step per line")
@@ -22,19 +26,51 @@ def main(argv: list[str] | None = None) -> int:
     cons.add_argument("--manifest", default=str(MANIFEST_PATH))
     show = sub.add_parser("json", help="print the validated manifest as JSON")
     show.add_argument("--manifest", default=str(MANIFEST_PATH))
-    args = parser.parse_args(argv)
+    sub.add_parser("detect-target", help="print this node's target (a2, a3 or dev) from npu-smi")
+    drift = sub.add_parser(
+        "drift", help="every reference in a checkout that disagrees with the manifest (exit 1 if any)"
+    )
+    drift.add_argument("--repo", default=None, help="the checkout to scan (default: this one)")
+    drift.add_argument("--manifest", default=str(MANIFEST_PATH))
+    return parser
+
+
+def _manifest_command(args: argparse.Namespace) -> int:
+    stack = load_stack(args.manifest)
+    if args.command == "plan":
+        for step in install_plan(stack, args.target, dev_tools=args.dev):
+            print(step.line())
+    elif args.command == "drift":
+        from pathlib import Path
+
+        from verl_npu.stack.drift import find_drift
+        from verl_npu.stack.manifest import REPO_ROOT
+
+        root = Path(args.repo) if args.repo else REPO_ROOT
+        if not root.is_dir():
+            raise StackError(f"--repo {root}: not a directory")
+        drifts = find_drift(stack, root)
+        for drift in drifts:
+            print(drift)
+        print(f"{len(drifts)} reference(s) disagree with {args.manifest}", file=sys.stderr)
+        return 1 if drifts else 0
+    elif args.command == "constraints":
+        if args.target not in TARGETS:
+            raise StackError(f"unknown target {args.target!r}; valid targets: {', '.join(TARGETS)}")
+        print("\n".join(stack.constraints(args.target)))
+    else:
+        print(json.dumps(stack.to_dict(), indent=2, default=str))
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
     try:
-        stack = load_stack(args.manifest)
-        if args.command == "plan":
-            for step in install_plan(stack, args.target, dev_tools=args.dev):
-                print(step.line())
-        elif args.command == "constraints":
-            if args.target not in TARGETS:
-                raise StackError(f"unknown target {args.target!r}; valid targets: {', '.join(TARGETS)}")
-            print("\n".join(stack.constraints(args.target)))
+        if args.command == "detect-target":
+            print(detect_target())
         else:
-            print(json.dumps(stack.to_dict(), indent=2, default=str))
-    except StackError as exc:
+            return _manifest_command(args)
+    except (StackError, UnknownChipError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     return 0

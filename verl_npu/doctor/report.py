@@ -20,7 +20,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from verl_npu import __version__, doctor
+from verl_npu import __version__, checks, doctor
 from verl_npu.stack import Stack, build_manifest
 
 ENV_PREFIXES = ("HCCL_", "ASCEND_", "VERL_", "RAY_")
@@ -211,8 +211,6 @@ def render(
 ) -> str:
     """The Markdown report of one doctor run."""
     w = _Writer()
-    fails = sum(f.status == doctor.FAIL for f in report.findings)
-    warns = sum(f.status == doctor.WARN for f in report.findings)
     stamp = now or _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds")
     w.add(
         "# verl-npu doctor report",
@@ -220,7 +218,7 @@ def render(
         f"- generated {stamp} on `{socket.gethostname()}` by verl-npu {__version__}, Python "
         f"{_platform.python_version()} ({_platform.machine()})",
         f"- platform: {report.platform.detail}; checked as target **{report.target}**",
-        f"- verdict: {fails} failed, {warns} warnings, {len(report.findings) - fails - warns} ok",
+        f"- verdict: {checks.summary(report.findings)}",
     )
     _versions(w, probe, stack, report.target)
     npu_smi = _ascend_versions(w, probe)

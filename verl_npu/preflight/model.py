@@ -1,0 +1,68 @@
+"""Where preflight's model config comes from: the HF config as a dict, the "model" check, and its origin."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Any
+
+from verl_npu.preflight.checks import FAIL, OK, WARN, Check
+from verl_npu.preflight.model_shape import load_config
+
+GLM5_NAME = re.compile(r"glm-?5", re.IGNORECASE)
+GLM5_2_NAME = re.compile(r"glm-?5(?:[._-]?2)(?!\d)", re.IGNORECASE)  # GLM-5.2, glm5_2, GLM-5-2, glm52
+
+# where the model config came from (PreflightReport.model_origin)
+FROM_MODEL_CONFIG, FROM_MODEL_PATH, FROM_BESIDE_SCRIPT, FROM_NAME = (
+    "model-config",
+    "model-path",
+    "beside-script",
+    "name",
+)
+Resolved = tuple[dict[str, Any] | None, Check, str | None]  # (HF config dict, the "model" check, origin)
+
+
+def resolve_model(model_path: str | None, model_config: str | None, beside_script: str | None = None) -> Resolved:
+    """The HF config (as a dict), the check saying where it came from, and that origin.
+
+    In order: --model-config; the launch's model path when it is on this machine; a ``config.json`` beside the
+    launch script (``beside_script``: an example ships its model's published architecture there, e.g.
+    examples/glm5_2/config.json); for a GLM-5 / GLM-5.2 path (the usual case on a laptop) transformers'
+    ``GlmMoeDsaConfig`` defaults, with GLM-5.2's published differences for a GLM-5.2 name, with a warning. Any
+    other missing model is an error.
+    """
+
+    def failed(message: str) -> Resolved:
+        return None, Check("config", "model", FAIL, message), None
+
+    source = model_config or model_path
+    if source is None:
+        return failed("no model: set actor_rollout_ref.model.path or --model-config")
+    try:
+        origin = FROM_MODEL_CONFIG if model_config else FROM_MODEL_PATH
+        return load_config(source), Check("config", "model", OK, f"model config from {source}"), origin
+    except (ValueError, OSError) as exc:
+        missing = exc
+    if model_config is None and beside_script is not None:
+        try:
+            hf = load_config(beside_script)
+        except (ValueError, OSError) as exc:
+            return failed(f"{model_path}: {missing}; and {beside_script}: {exc}")
+        message = (
+            f"model config from {beside_script} (beside the launch script): {model_path} is not on this machine; "
+            "pass --model-config PATH to check another config.json"
+        )
+        return hf, Check("config", "model", OK, message), FROM_BESIDE_SCRIPT
+    name = Path(model_path).name if model_path else ""
+    if model_config is None and GLM5_NAME.search(name):
+        glm52 = bool(GLM5_2_NAME.search(name))
+        what = (
+            "GLM-5.2's published architecture (transformers' GlmMoeDsaConfig defaults with GLM-5.2's indexer_types: "
+            "21 full / 57 shared DSA layers, RoPE theta 8e6, fp32 router)"
+            if glm52
+            else "GLM-5's shape from transformers' GlmMoeDsaConfig (every DSA layer full)"
+        )
+        message = f"{model_path} is not on this machine; using {what} (pass --model-config PATH to check the real "
+        message += "config.json)"
+        return load_config("glm5.2" if glm52 else "glm5"), Check("config", "model", WARN, message), FROM_NAME
+    return failed(f"{missing}; pass --model-config with a config.json, a model directory, 'glm5' or 'glm5.2'")

@@ -32,7 +32,7 @@ from support.glm5_2_checkpoint import (
     shared_indexer_prefixes,
     tiny_glm5_2_checkpoint,
 )
-from test_glm5_bridge import gpt_of, hf_names_of, no_hadamard_shim_afterwards, select_npu_engine  # noqa: F401
+from test_glm5_bridge import cpu_engine, gpt_of, hf_names_of, no_hadamard_shim_afterwards, select_npu_engine  # noqa: F401
 
 pytestmark = pytest.mark.usefixtures("cpu_megatron_harness")
 
@@ -87,30 +87,9 @@ class ReadRecorder:
 
 @pytest.fixture(scope="module")
 def engine_and_reads(glm5_2):
-    from megatron.core import tensor_parallel
-    from verl.trainer.config import CheckpointConfig
-    from verl.workers.config import HFModelConfig, McoreEngineConfig, McoreOptimizerConfig
-    from verl.workers.engine import EngineRegistry
-
     with pytest.MonkeyPatch.context() as patch:
         reads = ReadRecorder().install(patch)
-        engine = EngineRegistry.new(
-            model_type="language_model",
-            backend="megatron",
-            model_config=HFModelConfig(path=str(glm5_2[0])),
-            engine_config=McoreEngineConfig(
-                forward_only=False, vanilla_mbridge=True, use_remove_padding=False,  # DSA has no packed (THD) path
-                override_transformer_config={
-                    "use_cpu_initialization": True, "hidden_dropout": 0.0, "attention_dropout": 0.0,
-                    # the bridge's alltoall dispatcher creates CUDA streams; allgather runs on the CPU
-                    "moe_token_dispatcher_type": "allgather", "variable_seq_lengths": False,
-                },
-            ),
-            optimizer_config=McoreOptimizerConfig(lr=1e-2, lr_decay_steps=10),
-            checkpoint_config=CheckpointConfig(),
-        )  # fmt: skip
-        engine.initialize()
-    tensor_parallel.model_parallel_cuda_manual_seed(1)
+        engine = cpu_engine(glm5_2[0])
     return engine, reads.names
 
 

@@ -22,7 +22,7 @@ from __future__ import annotations
 import pytest
 import torch
 from support.glm5_2_checkpoint import INDEXER_TYPES, tiny_glm5_2_checkpoint
-from test_glm5_bridge import no_hadamard_shim_afterwards, select_npu_engine  # noqa: F401
+from test_glm5_bridge import cpu_engine, no_hadamard_shim_afterwards, select_npu_engine  # noqa: F401
 from test_verl_engine_path import PROMPT, SEQ
 
 pytestmark = pytest.mark.usefixtures("cpu_megatron_harness")
@@ -41,28 +41,7 @@ def glm5_2(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def engine(glm5_2):
-    from megatron.core import tensor_parallel
-    from verl.trainer.config import CheckpointConfig
-    from verl.workers.config import HFModelConfig, McoreEngineConfig, McoreOptimizerConfig
-    from verl.workers.engine import EngineRegistry
-
-    engine = EngineRegistry.new(
-        model_type="language_model",
-        backend="megatron",
-        model_config=HFModelConfig(path=str(glm5_2[0])),
-        engine_config=McoreEngineConfig(
-            forward_only=False, vanilla_mbridge=True, use_remove_padding=False,  # DSA has no packed (THD) path
-            override_transformer_config={
-                "use_cpu_initialization": True, "hidden_dropout": 0.0, "attention_dropout": 0.0,
-                "moe_token_dispatcher_type": "allgather", "variable_seq_lengths": False,
-            },
-        ),
-        optimizer_config=McoreOptimizerConfig(lr=1e-2, lr_decay_steps=10),
-        checkpoint_config=CheckpointConfig(),
-    )  # fmt: skip
-    engine.initialize()
-    tensor_parallel.model_parallel_cuda_manual_seed(1)
-    return engine
+    return cpu_engine(glm5_2[0])
 
 
 @pytest.fixture(scope="module")

@@ -102,8 +102,8 @@ def checkpoint(model_dir):
     return load_file(str(model_dir / "model.safetensors"))
 
 
-@pytest.fixture(scope="module")
-def engine(model_dir):
+def cpu_engine(model_dir):
+    """verl's Megatron engine for the tiny checkpoint at ``model_dir``, built on the CPU through the bridge."""
     from megatron.core import tensor_parallel
     from verl.trainer.config import CheckpointConfig
     from verl.workers.config import HFModelConfig, McoreEngineConfig, McoreOptimizerConfig
@@ -118,7 +118,7 @@ def engine(model_dir):
             override_transformer_config={
                 "use_cpu_initialization": True, "hidden_dropout": 0.0, "attention_dropout": 0.0,
                 # the bridge's alltoall dispatcher creates CUDA streams; allgather runs on the CPU and
-                # refuses variable sequence lengths (this test's micro-batches all have SEQ tokens)
+                # refuses variable sequence lengths (these tests' micro-batches all have one length)
                 "moe_token_dispatcher_type": "allgather", "variable_seq_lengths": False,
             },
         ),
@@ -128,6 +128,11 @@ def engine(model_dir):
     engine.initialize()
     tensor_parallel.model_parallel_cuda_manual_seed(1)
     return engine
+
+
+@pytest.fixture(scope="module")
+def engine(model_dir):
+    return cpu_engine(model_dir)
 
 
 @pytest.fixture(scope="module")

@@ -69,23 +69,12 @@ def no_hadamard_shim_afterwards():
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
+    from support.glm5_2_checkpoint import sharpened_model
     from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import GlmMoeDsaConfig, GlmMoeDsaForCausalLM, PreTrainedTokenizerFast
+    from transformers import GlmMoeDsaConfig, PreTrainedTokenizerFast
 
     config = GlmMoeDsaConfig(**TINY)
-    torch.manual_seed(0)
-    model = GlmMoeDsaForCausalLM(config)
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if "norm" in name:  # norms (and the indexer key norm's bias) a wrong mapping would show
-                param.uniform_(0.5, 1.5)
-            if name.endswith(("q_b_proj.weight", "kv_a_proj_with_mqa.weight", "mlp.gate.weight")):
-                # sharper attention and routing: with the default init both are near uniform, and a
-                # wrong RoPE layout or router mapping would hardly change the log-probs
-                param.mul_(10)
-        for name, buffer in model.named_buffers():
-            if name.endswith("e_score_correction_bias"):
-                buffer.uniform_(-0.1, 0.1)
+    model = sharpened_model(config, seed=0)
     path = tmp_path_factory.mktemp("glm5")
     model.save_pretrained(path)
     vocab = {f"t{i}": i for i in range(config.vocab_size)}

@@ -94,7 +94,8 @@ def dequantize_fp8_blocks(quantized: torch.Tensor, scale: torch.Tensor, block: i
     return (quantized.float() * per_element).to(torch.bfloat16)
 
 
-def _sharpened_model(config: Any, seed: int) -> torch.nn.Module:
+def sharpened_model(config: Any, seed: int) -> torch.nn.Module:
+    """A seeded GlmMoeDsaForCausalLM whose weights make a wrong mapping visible in the log-probs."""
     from transformers import GlmMoeDsaForCausalLM
 
     torch.manual_seed(seed)
@@ -155,7 +156,7 @@ def tiny_glm5_2_checkpoint(path: Path, fp8: bool = False, *, shards: int = 2, se
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     config = GlmMoeDsaConfig(**{**TINY_GLM5_2, **overrides})
-    _sharpened_model(config, seed).save_pretrained(path)
+    sharpened_model(config, seed).save_pretrained(path)
     _write_tokenizer(path, config.vocab_size)
     saved = {}
     for file in sorted(path.glob("*.safetensors")):

@@ -26,7 +26,6 @@ import datetime
 import importlib.metadata
 import json
 import os
-import socket
 import statistics
 import sys
 from pathlib import Path
@@ -38,18 +37,10 @@ GLM5_2_STAGE = ["full" if i < 3 or (i - 2) % 4 == 0 else "shared" for i in range
 
 
 def init() -> None:
-    import torch.distributed as dist
-    from megatron.core import parallel_state
+    from verl_npu.testing.distributed import init_single_process
 
     os.environ.setdefault("VERL_NPU_ALLOW_MISMATCH", "1")  # the device's torch differs from the Ascend pin
-    if not dist.is_initialized():
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(s.getsockname()[1]))
-        torch.cuda.set_device(0)
-        dist.init_process_group("nccl", rank=0, world_size=1)
-    if not parallel_state.model_parallel_is_initialized():
-        parallel_state.initialize_model_parallel()
+    init_single_process("nccl", device_index=0)
 
 
 def build(kinds: list[str], seq: int):

@@ -6,24 +6,14 @@ verl_npu/testing/cpu_megatron.py). Model parallel state must already be initiali
 
 from __future__ import annotations
 
-import os
-import socket
-
 import torch
 
 
 def init_single_gpu() -> None:
     """torch.distributed (NCCL) and megatron's parallel state for one process on CUDA device 0."""
-    import torch.distributed as dist
-    from megatron.core import parallel_state
+    from verl_npu.testing.distributed import init_single_process
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        os.environ.setdefault("MASTER_PORT", str(s.getsockname()[1]))
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    torch.cuda.set_device(0)
-    dist.init_process_group("nccl", rank=0, world_size=1)
-    parallel_state.initialize_model_parallel()
+    init_single_process("nccl", device_index=0)
 
 
 def build_gpt(hidden: int, layers: int, vocab: int, seq: int):

@@ -365,3 +365,15 @@ def test_every_indexshare_and_recompute_rule_is_reported_in_one_run():
     assert len(problems) == 3, problems
     for rule in ("packed (THD)", "selective recompute of core_attn", "starts on shared layer 4"):
         assert any(rule in p for p in problems), rule
+
+
+@pytest.mark.parametrize("dtype", ["fp8", "fp16", "float16"])
+def test_the_build_plan_refuses_optimizer_states_verl_refuses(dtype):
+    """verl 0.9.1's McoreOptimizerConfig takes fp32 or bf16 moments only: preflight must not say go on fp8."""
+    from verl.workers.config.optimizer import McoreOptimizerConfig
+
+    with pytest.raises(AssertionError, match="exp_avg_dtype"):
+        McoreOptimizerConfig(lr=1e-6, exp_avg_dtype=dtype)
+    with pytest.raises(BuildPlanError, match=r"optim\.exp_avg_dtype=fp(8|16): .*McoreOptimizerConfig refuses"):
+        raw = {"use_precision_aware_optimizer": True, "exp_avg_dtype": dtype}  # a raw dict, as preflight passes
+        build_plan(engine(), raw, LLAMA, "ascend")

@@ -49,3 +49,20 @@ def test_a_broken_manifest_is_reported_not_a_traceback(tmp_path):
     done = verl_npu("--manifest", str(bad), "versions")
     assert done.returncode == 2
     assert "key 'chips' is missing" in done.stderr and "Traceback" not in done.stderr
+
+
+def test_the_command_line_loads_a_commands_modules_only_when_it_runs():
+    """Preflight's cold start waits on the CLI's imports: building the parser loads no command's machinery."""
+    code = (
+        "import sys; from verl_npu.cli import build_parser; build_parser(); "
+        "print(sorted(m for m in sys.modules if m.startswith(('verl_npu.doctor', 'verl_npu.contracts', "
+        "'verl_npu.k8s.render', 'rich'))))"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
+    assert done.stdout.strip() == "[]", done.stdout
+
+
+def test_contracts_verify_refuses_an_unknown_component_by_name():
+    done = verl_npu("contracts", "verify", "--component", "mindspeed", "--component", "megatron")
+    assert done.returncode == 2
+    assert "--component megatron: expected one of mindspeed, vllm-ascend, torch-npu, vllm" in done.stderr

@@ -34,10 +34,10 @@ def test_the_build_plan_and_the_memory_model_read_the_same_table():
     assert set(ALIASES.values()) == set(BYTES)
     # precision-aware, bf16 params spelled bfloat16, fp32 main params spelled 32: int16 remainders
     precision = memory.Precision(
-        params_dtype="bfloat16", use_precision_aware_optimizer=True, main_params_dtype="32", exp_avg_dtype="fp8"
+        params_dtype="bfloat16", use_precision_aware_optimizer=True, main_params_dtype="32", exp_avg_dtype="bf16"
     )
     assert precision.optimizer_bytes_per_param() == {
         "main_params": ("int16", 2),
-        "exp_avg": ("fp8", 1),
+        "exp_avg": ("bf16", 2),
         "exp_avg_sq": ("fp32", 4),
     }

@@ -6,7 +6,6 @@ Runs on CUDA (the H100 stand-in, through the device tool) or an NPU; skipped els
 from __future__ import annotations
 
 import os
-import socket
 
 import pytest
 import torch
@@ -17,18 +16,10 @@ pytestmark = pytest.mark.accel
 @pytest.fixture(scope="module")
 def device():
     os.environ.setdefault("VERL_NPU_ALLOW_MISMATCH", "1")  # the stand-in's torch differs from the Ascend pin
-    import torch.distributed as dist
-    from megatron.core import parallel_state
-
     import verl_npu.megatron_adaptor  # noqa: F401  (the runtime patches: Hadamard fallback, DSA local spec)
+    from verl_npu.testing.distributed import init_single_process
 
-    if not dist.is_initialized():
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(s.getsockname()[1]))
-        torch.cuda.set_device(0)
-        dist.init_process_group("nccl", rank=0, world_size=1)
-    parallel_state.initialize_model_parallel()
+    init_single_process("nccl", device_index=0)
     return torch.device("cuda", 0)
 
 

@@ -1,7 +1,7 @@
 """One vocabulary for every verdict verl-npu prints: ok / warn / fail, one record type, one table, one JSON form.
 
-``verl-npu doctor`` (each finding), ``verl-npu ci compare`` (each metric) and, later, ``verl-npu
-preflight`` speak it. Importing this module costs nothing beyond the standard library: rich is loaded
+``verl-npu doctor`` (each finding), ``verl-npu preflight`` (each check of a launch) and ``verl-npu ci
+compare`` (each metric) speak it. Importing this module costs nothing beyond the standard library: rich is loaded
 only when a table is drawn, so light entry points (the cluster network check, install-time tools)
 can use the records without it.
 """
@@ -28,6 +28,16 @@ class Check:
     status: str
     detail: str
     fix: str = ""
+
+    @property
+    def area(self) -> str:
+        """The id's first part: ``version`` for ``version.torch``, ``mesh`` for ``mesh.actor-tp``."""
+        return self.check.partition(".")[0]
+
+    @property
+    def name(self) -> str:
+        """The id without its area: ``actor-tp`` for ``mesh.actor-tp``."""
+        return self.check.partition(".")[2]
 
     def to_dict(self) -> dict[str, str]:
         return dataclasses.asdict(self)

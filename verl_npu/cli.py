@@ -7,21 +7,24 @@ import dataclasses
 import json
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from rich.console import Console
-from rich.table import Table
-
-from verl_npu import doctor
-from verl_npu.contracts.spec import COMPONENTS as CONTRACT_COMPONENTS
-from verl_npu.stack import matrix
 from verl_npu.stack.manifest import MANIFEST_PATH, TARGETS, Stack, StackError, load_stack
+
+if TYPE_CHECKING:  # each command imports what it needs: `verl-npu preflight` starts before doctor or rich load
+    from rich.console import Console
+    from rich.table import Table
 
 
 def _console() -> Console:
+    from rich.console import Console
+
     return Console(soft_wrap=False, width=max(Console().width, 120))
 
 
 def versions_table(stack: Stack, target: str | None = None) -> Table:
+    from rich.table import Table
+
     table = Table(title=f"verl-npu stack ({stack.path.name}, Python {stack.python})")
     table.add_column("component", overflow="fold")
     table.add_column("version / ref", overflow="fold")
@@ -44,6 +47,8 @@ def versions_table(stack: Stack, target: str | None = None) -> Table:
 
 
 def cmd_versions(args: argparse.Namespace) -> int:
+    from verl_npu.stack import matrix
+
     stack = load_stack(args.manifest)
     if args.json:
         print(json.dumps(stack.to_dict(), indent=2, default=str))
@@ -55,6 +60,8 @@ def cmd_versions(args: argparse.Namespace) -> int:
 
 
 def cmd_doctor(args: argparse.Namespace) -> int:
+    from verl_npu import doctor
+
     probe = doctor.Probe.current()
     if args.site_packages:
         probe.sys_path = [str(Path(p).resolve()) for p in args.site_packages]
@@ -110,6 +117,8 @@ def cmd_patches(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(layer.to_dict(), indent=2))
         return 0
+    from rich.table import Table
+
     table = Table(title=f"verl-npu runtime patches in this process (platform {layer.platform})")
     for column in ("id", "target", "kind", "status", "detail"):
         table.add_column(column, overflow="fold")
@@ -214,6 +223,8 @@ def cmd_contracts_list(args: argparse.Namespace) -> int:
     if args.markdown:
         print(render_markdown(contracts.ALL, contract_pins(load_stack(args.manifest))), end="")
         return 0
+    from rich.table import Table
+
     table = Table(title="verl-npu contracts with the Ascend upstreams")
     for column in ("id", "where", "what we rely on"):
         table.add_column(column, overflow="fold")
@@ -238,12 +249,19 @@ def cmd_contracts_verify(args: argparse.Namespace) -> int:
             )
             return 2
         overrides[name] = Path(directory)
+    unknown = [name for name in args.component or () if name not in contracts.COMPONENTS]
+    if unknown:
+        print(f"verl-npu contracts verify: --component {', '.join(unknown)}: expected one of "
+              f"{', '.join(contracts.COMPONENTS)}", file=sys.stderr)  # fmt: skip
+        return 2
     components = args.component or list(contracts.COMPONENTS)
     results = verify(contracts.ALL, sources_for(overrides, components), components=components)
     failed = [r for r in results if not r.ok]
     if args.json == "-":
         print(json.dumps([r.to_dict() for r in results], indent=2))
     else:
+        from rich.table import Table
+
         table = Table(title=f"verl-npu contracts: {', '.join(components)}")
         for column in ("id", "where", "status", "detail"):
             table.add_column(column, overflow="fold")
@@ -346,8 +364,8 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="NAME=DIR",
         help="check this source tree (checkout, unpacked wheel or sdist) for NAME instead of the installed one",
     )
-    p.add_argument("--component", action="append", choices=CONTRACT_COMPONENTS,
-                   help="only these components (repeatable; default: all)")  # fmt: skip
+    p.add_argument("--component", action="append", metavar="NAME",
+                   help="only this component, e.g. mindspeed (repeatable; default: all)")  # fmt: skip
     p.add_argument("--json", metavar="FILE", help="also write the results as JSON ('-': JSON on stdout only)")
     p.set_defaults(func=cmd_contracts_verify)
 

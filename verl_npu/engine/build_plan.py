@@ -42,10 +42,12 @@ MINDSPEED_ONLY_KEYS = (
     "context_parallel_algo",
     *DSA_SWITCHES,
 )
+# The optimizer state dtypes verl 0.9.1 takes: McoreOptimizerConfig.__post_init__ refuses anything but fp32
+# and bf16 for all three (megatron-core itself would also store fp16/fp8 moments, but verl stops first).
 PRECISIONS = {
     "main_grads_dtype": ("fp32", "bf16"),
-    "exp_avg_dtype": ("fp32", "fp16", "bf16", "fp8"),
-    "exp_avg_sq_dtype": ("fp32", "fp16", "bf16", "fp8"),
+    "exp_avg_dtype": ("fp32", "bf16"),
+    "exp_avg_sq_dtype": ("fp32", "bf16"),
 }
 # The fused DSA operators' input rules (torch-npu 2.10.0.post4, ops-transformer tiling; see
 # verl_npu/ops/ascend.py and verl_npu/contracts/torch_npu.py): one latent key head of 512 + 64 rope
@@ -603,7 +605,7 @@ def _optimizer_dtypes(problems: _Problems, optimizer_config: Any) -> dict[str, s
         if dtypes[key] not in allowed:
             problems.add(
                 f"optim.{key}={dtypes[key]}",
-                f"{key} must be one of {', '.join(allowed)}",
+                f"{key} must be one of {', '.join(allowed)} (verl 0.9.1's McoreOptimizerConfig refuses the rest)",
                 f"set optim.{key} to one of {', '.join(allowed)}",
             )
     return dtypes

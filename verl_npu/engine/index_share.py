@@ -269,13 +269,18 @@ def received(topk: Any) -> None:
     _INCOMING.append(topk)
 
 
+def _take(queue: collections.deque, missing: str) -> Any:
+    if not queue:
+        raise IndexShareError(missing)
+    return queue.popleft()
+
+
 def take_received(plan: StagePlan) -> Any:
-    if not _INCOMING:
-        raise IndexShareError(
-            f"this pipeline stage starts on shared DSA layer {plan.first_layer + 1}, but no top-k came from the "
-            "previous stage with the activations"
-        )
-    return _INCOMING.popleft()
+    return _take(
+        _INCOMING,
+        f"this pipeline stage starts on shared DSA layer {plan.first_layer + 1}, but no top-k came from the "
+        "previous stage with the activations",
+    )
 
 
 def to_send(topk: Any) -> None:
@@ -283,12 +288,11 @@ def to_send(topk: Any) -> None:
 
 
 def take_to_send(plan: StagePlan) -> Any:
-    if not _OUTGOING:
-        raise IndexShareError(
-            f"the next pipeline stage starts on shared DSA layer {plan.first_layer + plan.num_layers + 1}, but "
-            "this stage's forward produced no top-k to send"
-        )
-    return _OUTGOING.popleft()
+    return _take(
+        _OUTGOING,
+        f"the next pipeline stage starts on shared DSA layer {plan.first_layer + plan.num_layers + 1}, but "
+        "this stage's forward produced no top-k to send",
+    )
 
 
 def block_plan(block: Any) -> StagePlan | None:

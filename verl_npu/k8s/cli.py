@@ -42,7 +42,7 @@ def _positive(text: str) -> int:
 
 
 def cmd_render(args: argparse.Namespace) -> int:
-    from verl_npu.k8s import render
+    from verl_npu.k8s import defaults, render
 
     request = render.Request(
         kind=args.kind,
@@ -57,8 +57,8 @@ def cmd_render(args: argparse.Namespace) -> int:
         chip=args.chip,
         nnodes=args.nnodes,
         npus_per_node=args.npus_per_node,
-        volumes=tuple(args.pvc) if args.pvc else render.DEFAULT_VOLUMES,
-        pull_secrets=tuple(args.pull_secret) if args.pull_secret is not None else (render.DEFAULT_PULL_SECRET,),
+        volumes=tuple(args.pvc) if args.pvc else defaults.DEFAULT_VOLUMES,
+        pull_secrets=tuple(args.pull_secret) if args.pull_secret is not None else (defaults.DEFAULT_PULL_SECRET,),
         npu_resource=args.npu_resource,
         shm_size=args.shm_size,
         cpu=args.cpu,
@@ -69,7 +69,7 @@ def cmd_render(args: argparse.Namespace) -> int:
         namespace=args.namespace,
         queue=getattr(args, "queue", "default"),
         results_pod=args.results_pod,
-        host_paths=() if args.no_host_paths else tuple(args.host_path or render.DEFAULT_HOST_PATHS),
+        host_paths=() if args.no_host_paths else tuple(args.host_path or defaults.DEFAULT_HOST_PATHS),
         manifest=Path(args.manifest),
     )
     try:
@@ -111,7 +111,7 @@ def cmd_validate(args: argparse.Namespace) -> int:
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     """Add the `k8s` command group to the verl-npu parser."""
-    from verl_npu.k8s import render
+    from verl_npu.k8s import defaults
 
     k8s = subparsers.add_parser(
         "k8s", help="Kubernetes: render a multi-node launch (KubeRay, Volcano); validate manifests"
@@ -148,8 +148,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                        help="ReadWriteMany claim mounted on every pod at MOUNT (repeatable; default "
                        "verl-npu-cache=/root/.cache)")  # fmt: skip
         p.add_argument("--pull-secret", action="append", metavar="NAME",
-                       help=f"image pull secret (repeatable; default {render.DEFAULT_PULL_SECRET})")  # fmt: skip
-        p.add_argument("--npu-resource", default=render.DEFAULT_NPU_RESOURCE, help="device plugin resource name")
+                       help=f"image pull secret (repeatable; default {defaults.DEFAULT_PULL_SECRET})")  # fmt: skip
+        p.add_argument("--npu-resource", default=defaults.DEFAULT_NPU_RESOURCE, help="device plugin resource name")
         p.add_argument("--shm-size", default="256Gi", help="size limit of the memory-backed /dev/shm")
         p.add_argument("--cpu", default="160", help="CPU of each node pod (requests = limits)")
         p.add_argument("--memory", default="1400Gi", help="memory of each node pod, /dev/shm included")
@@ -168,7 +168,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                        help="a variable for every node and the launch, after the env file's (repeatable)")  # fmt: skip
         p.add_argument("--host-path", action="append", metavar="PATH",
                        help="host file or directory mounted read-only at the same path (repeatable; default: "
-                       + ", ".join(render.DEFAULT_HOST_PATHS) + ")")  # fmt: skip
+                       + ", ".join(defaults.DEFAULT_HOST_PATHS) + ")")  # fmt: skip
         p.add_argument("--no-host-paths", action="store_true", help="mount no host paths (the device plugin does)")
         p.add_argument("-o", "--output", help="write the manifests here (atomically) instead of stdout")
         p.add_argument("launch_args", nargs="*", help="arguments of the launch script (after --)")

@@ -35,6 +35,12 @@ from typing import Any
 
 from verl_npu.envfile import env_file_variables
 from verl_npu.k8s import validate
+from verl_npu.k8s.defaults import (
+    DEFAULT_HOST_PATHS,
+    DEFAULT_NPU_RESOURCE,
+    DEFAULT_PULL_SECRET,
+    DEFAULT_VOLUMES,
+)
 from verl_npu.stack.manifest import MANIFEST_PATH, REPO_ROOT, StackError, load_stack
 
 KINDS = ("rayjob", "volcano")
@@ -46,12 +52,6 @@ CONFIG_DIR = PurePosixPath("/etc/verl-npu")
 # NPUs of one node: Atlas 800T A2 servers have 8 (910B), Atlas A3 nodes 16 dies (910C); the
 # upstream runners are linux-aarch64-a2b3-8 and linux-aarch64-a3-16 (shared/reference.md section 6).
 NPUS_PER_NODE_MAX = {"a2": 8, "a3": 16}
-# The device plugin's resource name. Huawei Cloud CCE's Ascend plugin, which upstream verl's and
-# vllm-ascend's A3 multi-node nightlies run on, names 910B and 910C `huawei.com/ascend-1980`;
-# MindCluster's device plugin names them `huawei.com/Ascend910` (pass --npu-resource).
-DEFAULT_NPU_RESOURCE = "huawei.com/ascend-1980"
-DEFAULT_VOLUMES = (("verl-npu-cache", "/root/.cache"),)
-DEFAULT_PULL_SECRET = "verl-npu-registry"
 # Per-node values: the interface name (or IP) differs between nodes, and ray_start.sh sets them on
 # each node. An env file that sets them forces one value on the whole cluster.
 PER_NODE_KEYS = ("HCCL_SOCKET_IFNAME", "GLOO_SOCKET_IFNAME", "TP_SOCKET_IFNAME", "HCCL_IF_IP")
@@ -63,9 +63,6 @@ SHARED_PATH_KEYS = (
 )  # fmt: skip
 # Set by the renderer on every node pod; an env file or --env naming them would be overridden.
 RESERVED_KEYS = ("ENV_FILE", "VERL_NPU_ENV_FILE", "VERL_NPU_EXPECT_NPUS")
-# The host side of the NPUs, as the Ascend runners' pod template mounts it (ci/nightly/check_npus.sh):
-# the driver's libraries, DCMI and npu-smi, which verl's rollout and `verl-npu doctor` call.
-DEFAULT_HOST_PATHS = ("/usr/local/Ascend/driver", "/usr/local/dcmi", "/usr/local/sbin/npu-smi")
 DEFAULT_RAY_PORT = 6379
 DASHBOARD_PORT, CLIENT_PORT = 8265, 10001
 # ray_start.sh's head waits SMOKE_WAIT_S (1800 s by default) for every NPU; the other waits give that

@@ -20,7 +20,7 @@ from functools import cache
 from pathlib import Path
 from typing import Any
 
-from verl_npu.preflight.checks import FAIL, OK, WARN, Check
+from verl_npu.checks import FAIL, OK, WARN, Check
 
 DEFAULT_CONFIG_NAME = "ppo_trainer"  # what verl.trainer.main_ppo composes without --config-name
 OTC_SUFFIX = ".override_transformer_config."
@@ -104,12 +104,11 @@ def nearest_key(key: str, known: frozenset[str], mappings: frozenset[str]) -> st
 def _unknown_key_check(override: str, key: str, known: frozenset[str], mappings: frozenset[str]) -> Check:
     leaf = key.rsplit(".", 1)[-1]
     if leaf in REMOVED_KEYS:
-        return Check("config", "removed-key", FAIL, f"{override!r}: {REMOVED_KEYS[leaf]}")
+        return Check("config.removed-key", FAIL, f"{override!r}: {REMOVED_KEYS[leaf]}")
     guess = nearest_key(key, known, mappings)
     hint = f"did you mean {guess!r}?" if guess else "no similar key exists in verl's config"
     return Check(
-        "config",
-        "unknown-key",
+        "config.unknown-key",
         FAIL,
         f"{override!r}: verl 0.9.1's config has no key {key!r}; {hint} "
         f"(to add a key verl does not define, prefix it with '+')",
@@ -174,8 +173,7 @@ def _check_added_keys(overrides: Sequence[str]) -> list[Check]:
                 hint = f"did you mean {guess[0]!r}?" if guess else "see megatron-core 0.18's " + what
                 checks.append(
                     Check(
-                        "config",
-                        "unknown-key",
+                        "config.unknown-key",
                         FAIL,
                         f"{override!r}: {field!r} is neither a megatron-core {what} field nor a MindSpeed/verl-npu "
                         f"flag; {hint}",
@@ -197,22 +195,22 @@ def compose_config(config_name: str | None, overrides: Sequence[str]) -> tuple[A
     if config is not None:
         checks = _check_added_keys(overrides)
         if not checks:
-            checks.append(Check("config", "compose", OK, f"{len(overrides)} overrides compose with verl's {name}.yaml"))
+            checks.append(Check("config.compose", OK, f"{len(overrides)} overrides compose with verl's {name}.yaml"))
         return config, checks
     try:
         known, mappings = _base_keys(name)
     except (HydraException, OmegaConfBaseException) as exc:
-        return None, [Check("config", "config-name", FAIL, f"--config-name={name}: verl has no such config ({exc})")]
+        return None, [Check("config.config-name", FAIL, f"--config-name={name}: verl has no such config ({exc})")]
     checks: list[Check] = []
     kept: list[str] = []
     # Every bad key at once: Hydra would stop at the first.
     for override in overrides:
         key = override_key(override)
         if "=" not in override and not override.startswith("~"):
-            checks.append(Check("config", "bad-override", FAIL, f"{override!r}: an override needs KEY=VALUE"))
+            checks.append(Check("config.bad-override", FAIL, f"{override!r}: an override needs KEY=VALUE"))
         elif override.startswith("+") and not override.startswith("++") and key in known:
             checks.append(
-                Check("config", "bad-override", FAIL, f"{override!r}: {key!r} exists in verl's config; drop the '+'")
+                Check("config.bad-override", FAIL, f"{override!r}: {key!r} exists in verl's config; drop the '+'")
             )
         elif not override.startswith("+") and "/" not in key and key not in known:
             checks.append(_unknown_key_check(override, key, known, mappings))
@@ -228,14 +226,14 @@ def compose_config(config_name: str | None, overrides: Sequence[str]) -> tuple[A
             offending = next((m.group(1) for p in _KEY_IN_MESSAGE if (m := p.search(message))), None)
             index = next((i for i, o in enumerate(kept) if offending and override_key(o) == offending), None)
             if index is None:
-                checks.append(Check("config", "compose", FAIL, f"verl's config rejected the overrides: {message}"))
+                checks.append(Check("config.compose", FAIL, f"verl's config rejected the overrides: {message}"))
                 return None, checks
-            checks.append(Check("config", "bad-override", FAIL, f"{kept.pop(index)!r}: {message}"))
+            checks.append(Check("config.bad-override", FAIL, f"{kept.pop(index)!r}: {message}"))
     else:  # pragma: no cover - the loop drops one override per failure, so it always ends
         return None, checks
     failed = any(c.status == FAIL for c in checks)
     if not failed:
-        checks.append(Check("config", "compose", OK, f"{len(overrides)} overrides compose with verl's {name}.yaml"))
+        checks.append(Check("config.compose", OK, f"{len(overrides)} overrides compose with verl's {name}.yaml"))
     return config, checks
 
 
@@ -282,7 +280,7 @@ def validate_with_verl(config: Any) -> list[Check]:
     try:
         OmegaConf.to_container(config, resolve=True)
     except OmegaConfBaseException as exc:
-        return [Check("config", "interpolation", FAIL, f"a value does not resolve: {exc}")]
+        return [Check("config.interpolation", FAIL, f"a value does not resolve: {exc}")]
     use_ref, use_critic = needs_reference_policy(config), needs_critic(config)
     steps: list[tuple[str, Any]] = [
         ("verl validate_config", lambda: validate_config(config, use_reference_policy=use_ref, use_critic=use_critic)),
@@ -300,11 +298,11 @@ def validate_with_verl(config: Any) -> list[Check]:
                 run()
         except (AssertionError, ValueError, TypeError, KeyError, HydraException, OmegaConfBaseException) as exc:
             text = str(exc).strip() or type(exc).__name__
-            checks.append(Check("config", "verl-validation", FAIL, f"{name}: {text}"))
+            checks.append(Check("config.verl-validation", FAIL, f"{name}: {text}"))
         except OSError as exc:  # e.g. the model path is not on this machine
-            checks.append(Check("config", "verl-validation", WARN, f"{name}: not checked here ({exc})"))
+            checks.append(Check("config.verl-validation", WARN, f"{name}: not checked here ({exc})"))
     if not checks:
-        checks.append(Check("config", "verl-validation", OK, "verl's validate_config and config dataclasses accept it"))
+        checks.append(Check("config.verl-validation", OK, "verl's validate_config and config dataclasses accept it"))
     return checks
 
 
@@ -333,12 +331,12 @@ def engine_plans(config: Mapping[str, Any], hf_config: Any, platform: str) -> tu
         try:
             plan = plans[role] = build_plan(engine, optim, hf_config, platform)
         except BuildPlanError as exc:
-            checks += [Check("engine", f"{role}-build-plan", FAIL, f"{role}: {problem}") for problem in exc.problems]
+            checks += [Check(f"engine.{role}-build-plan", FAIL, f"{role}: {problem}") for problem in exc.problems]
             continue
         features = ", ".join(plan.features) or "no verl-npu features"
-        checks.append(Check("engine", f"{role}-build-plan", OK, f"{role} on {platform}: {features}"))
-        checks += [Check("engine", f"{role}-build-plan", OK, f"{role}: {note}") for note in plan.notes]
-        checks += [Check("engine", f"{role}-build-plan", WARN, f"{role}: {note}") for note in plan.warnings]
+        checks.append(Check(f"engine.{role}-build-plan", OK, f"{role} on {platform}: {features}"))
+        checks += [Check(f"engine.{role}-build-plan", OK, f"{role}: {note}") for note in plan.notes]
+        checks += [Check(f"engine.{role}-build-plan", WARN, f"{role}: {note}") for note in plan.warnings]
     layouts: dict[str, Any] = {}  # each distinct pipeline layout once (the ref usually mirrors the actor)
     for role, (engine, _) in roles.items():
         key = _layout_key(engine)
@@ -367,20 +365,20 @@ def model_bridge_checks(hf_config: Mapping[str, Any], layouts: Mapping[str, Any]
     try:
         glm5_config_fields(types.SimpleNamespace(**hf_config))
     except (NotImplementedError, ValueError) as exc:
-        return [Check("engine", "model-bridge", FAIL, f"the model cannot be built: {exc}")]
+        return [Check("engine.model-bridge", FAIL, f"the model cannot be built: {exc}")]
     kinds = indexer_types(types.SimpleNamespace(**hf_config))
     message = f"{MODEL_TYPE}: verl-npu's GLM-5 bridge maps this config"
     if SHARED not in kinds:
-        return [Check("engine", "model-bridge", OK, f"{message}; every layer's DSA indexer is full")]
+        return [Check("engine.model-bridge", OK, f"{message}; every layer's DSA indexer is full")]
     full = [i for i, kind in enumerate(kinds) if kind != SHARED]
     message += (
         f"; IndexShare: {len(full)} full / {len(kinds) - len(full)} shared DSA layers (a shared layer reuses the most "
         f"recent full layer's top-k and has no indexer), full {_numbers(full)}"
     )
-    checks = [Check("engine", "model-bridge", OK, message)]
+    checks = [Check("engine.model-bridge", OK, message)]
     for role, engine in (layouts or {}).items():
         prefix = f"{role} " if len(layouts) > 1 else ""
-        checks += [Check("engine", "model-bridge", OK, prefix + line) for line in stage_layout_lines(kinds, engine)]
+        checks += [Check("engine.model-bridge", OK, prefix + line) for line in stage_layout_lines(kinds, engine)]
     return checks
 
 
@@ -426,16 +424,14 @@ def rollout_environment_checks(config: Mapping[str, Any], env: Mapping[str, str]
     if not rollout.get("enable_sleep_mode", True):
         return [
             Check(
-                "launch",
-                "npu-alloc-conf",
+                "launch.npu-alloc-conf",
                 OK,
                 f"{ALLOC_CONF_VARIABLE}={value} with vLLM sleep mode off (rollout.enable_sleep_mode=False)",
             )
         ]
     return [
         Check(
-            "launch",
-            "npu-alloc-conf",
+            "launch.npu-alloc-conf",
             FAIL,
             f"{ALLOC_CONF_VARIABLE}={value} with vLLM sleep mode (actor_rollout_ref.rollout.enable_sleep_mode=True, "
             f"verl's default): vllm-ascend's CaMemAllocator asserts that it does not contain {EXPANDABLE_SEGMENTS}, "
@@ -480,8 +476,7 @@ def rollout_model_checks(
         if value is not None and value.strip().lower() in GLM52_PATCH_ON_VALUES:  # verl's own test of the value
             checks.append(
                 Check(
-                    "launch",
-                    "glm52-patch",
+                    "launch.glm52-patch",
                     OK,
                     f"{GLM52_PATCH_VARIABLE}={value}: verl's vllm-ascend 0.23 GLM-5.2 fixes are on",
                 )
@@ -489,8 +484,7 @@ def rollout_model_checks(
         else:
             checks.append(
                 Check(
-                    "launch",
-                    "glm52-patch",
+                    "launch.glm52-patch",
                     FAIL,
                     f"{GLM52_PATCH_VARIABLE}{shown} in the launch's environment: verl 0.9.1 ships vllm-ascend 0.23's "
                     "fixes for GLM-5.2 RL weight updates (SFA keeps kv_b_proj for later weight syncs instead of "
@@ -513,8 +507,7 @@ def rollout_model_checks(
         )
         checks.append(
             Check(
-                "config",
-                "rollout-fp8",
+                "config.rollout-fp8",
                 FAIL,
                 f"actor_rollout_ref.model.path={model_path} is an FP8 checkpoint: {why}. The rollout is vLLM on "
                 "Ascend, and vllm-ascend 0.23's fp8 path is MXFP8 for the Ascend 950 only while its SFA attention "
@@ -538,8 +531,7 @@ def rollout_model_checks(
         dummy = load_format.startswith("dummy")
         checks.append(
             Check(
-                "config",
-                "rollout-mtp",
+                "config.rollout-mtp",
                 FAIL if dummy else WARN,
                 f"{what}: speculative decoding on {MODEL_TYPE}, but verl-npu's GLM-5 bridge builds no MTP layers, so "
                 "verl's weight sync sends none"

@@ -14,8 +14,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
+from verl_npu.checks import FAIL, OK, WARN, Check
 from verl_npu.dtypes import parse
-from verl_npu.preflight.checks import FAIL, OK, WARN, Check
 from verl_npu.preflight.memory import Activations, GiB, MemoryEstimate, Offload, Parallelism, Precision, estimate
 from verl_npu.preflight.mesh import TrainMesh
 from verl_npu.preflight.model_shape import ModelShape
@@ -117,8 +117,7 @@ def memory_checks(result: MemoryEstimate, offload: Offload, chip: str) -> list[C
         if room["train"] is not None and room["train"] < 0:
             checks.append(
                 Check(
-                    "memory",
-                    f"stage{stage.stage}-train",
+                    f"memory.stage{stage.stage}-train",
                     FAIL,
                     f"stage {stage.stage}: the training step needs {gib(stage.train_bytes)} per device, the {chip} NPU "
                     f"has {gib(capacity)}; add pipeline/expert parallelism, recompute, or shorter micro-batches",
@@ -132,8 +131,7 @@ def memory_checks(result: MemoryEstimate, offload: Offload, chip: str) -> list[C
             )
             checks.append(
                 Check(
-                    "memory",
-                    f"stage{stage.stage}-rollout",
+                    f"memory.stage{stage.stage}-rollout",
                     FAIL,
                     f"stage {stage.stage}: during rollout the actor keeps {gib(stage.floor_bytes)} on the device and "
                     f"vLLM reserves {gib(result.rollout_reserved_bytes)}: {gib(result.rollout_bytes(stage))} of "
@@ -144,8 +142,7 @@ def memory_checks(result: MemoryEstimate, offload: Offload, chip: str) -> list[C
     if result.host_capacity_bytes is not None and host > result.host_capacity_bytes:
         checks.append(
             Check(
-                "memory",
-                "host",
+                "memory.host",
                 FAIL,
                 f"node {result.worst_node} (stages {list(result.worst_node_stages)}) needs {gib(host)} of host RAM for "
                 f"offloaded state, more than its {gib(result.host_capacity_bytes)}",
@@ -155,8 +152,7 @@ def memory_checks(result: MemoryEstimate, offload: Offload, chip: str) -> list[C
         worst = max(result.stages, key=lambda s: s.train_bytes)
         checks.append(
             Check(
-                "memory",
-                "fits",
+                "memory.fits",
                 OK,
                 f"peak {gib(worst.train_bytes)} of {gib(capacity)} per device (stage {worst.stage}); host RAM "
                 f"{gib(host)} on the busiest node",
@@ -164,6 +160,6 @@ def memory_checks(result: MemoryEstimate, offload: Offload, chip: str) -> list[C
         )
         if result.host_capacity_bytes is None and host:
             checks.append(
-                Check("memory", "host", WARN, "host RAM per node not checked: pass --host-memory-gib for your nodes")
+                Check("memory.host", WARN, "host RAM per node not checked: pass --host-memory-gib for your nodes")
             )
     return checks

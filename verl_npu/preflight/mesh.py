@@ -13,7 +13,7 @@ import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
-from verl_npu.preflight.checks import FAIL, OK, WARN, Check
+from verl_npu.checks import FAIL, OK, WARN, Check
 
 
 @dataclasses.dataclass(frozen=True)
@@ -76,7 +76,7 @@ def check_train_mesh(mesh: TrainMesh, num_layers: int, num_experts: int) -> list
     r, fails = mesh.role, []
 
     def fail(name: str, message: str) -> None:
-        fails.append(Check("mesh", f"{r}-{name}", FAIL, f"{r}: {message}"))
+        fails.append(Check(f"mesh.{r}-{name}", FAIL, f"{r}: {message}"))
 
     model_parallel = mesh.tp * mesh.pp * mesh.cp
     if mesh.world % model_parallel:
@@ -120,8 +120,7 @@ def check_train_mesh(mesh: TrainMesh, num_layers: int, num_experts: int) -> list
         stages = mesh.stage_layers(num_layers) if mesh.world % model_parallel == 0 else []
         return [
             Check(
-                "mesh",
-                f"{r}-mesh",
+                f"mesh.{r}-mesh",
                 OK,
                 f"{r}: TP {mesh.tp} x PP {mesh.pp} x CP {mesh.cp} x DP {mesh.dp} = {mesh.world}; EP {mesh.ep} x "
                 f"ETP {mesh.etp} x expert-DP {mesh.expert_dp}; layers per stage {stages}",
@@ -140,8 +139,7 @@ def check_rollout(rollout: Mapping[str, Any], world: int, num_experts: int) -> l
     if world % replica:
         checks.append(
             Check(
-                "mesh",
-                "rollout-replica",
+                "mesh.rollout-replica",
                 FAIL,
                 f"rollout: world size {world} is not divisible by TP {tp} x DP {dp} x PP {pp} = {replica}",
             )
@@ -149,8 +147,7 @@ def check_rollout(rollout: Mapping[str, Any], world: int, num_experts: int) -> l
     if ep > 1 and ep != tp * dp:
         checks.append(
             Check(
-                "mesh",
-                "rollout-ep",
+                "mesh.rollout-ep",
                 FAIL,
                 f"rollout: expert_parallel_size {ep} must equal TP {tp} x DP {dp} = {tp * dp} (vLLM's expert "
                 "parallelism spans the tensor- and data-parallel ranks of a replica)",
@@ -158,12 +155,12 @@ def check_rollout(rollout: Mapping[str, Any], world: int, num_experts: int) -> l
         )
     if ep > 1 and num_experts and num_experts % ep:
         checks.append(
-            Check("mesh", "rollout-ep", FAIL, f"rollout: EP {ep} does not divide the model's {num_experts} experts")
+            Check("mesh.rollout-ep", FAIL, f"rollout: EP {ep} does not divide the model's {num_experts} experts")
         )
     if not checks:
         replicas = world // replica
         checks.append(
-            Check("mesh", "rollout-mesh", OK, f"rollout: {replicas} replicas of TP {tp} x DP {dp} x PP {pp}, EP {ep}")
+            Check("mesh.rollout-mesh", OK, f"rollout: {replicas} replicas of TP {tp} x DP {dp} x PP {pp}, EP {ep}")
         )
     return checks
 
@@ -179,8 +176,7 @@ def check_thd_alignment(mesh: TrainMesh, section: Mapping[str, Any], max_sequenc
         if budget is not None and int(budget) < padded:
             return [
                 Check(
-                    "mesh",
-                    f"{mesh.role}-thd-alignment",
+                    f"mesh.{mesh.role}-thd-alignment",
                     FAIL,
                     f"{mesh.role}: a {max_sequence}-token sequence padded to a multiple of {align} "
                     f"({'tp*cp*2' if mesh.cp > 1 else 'tp'}) is {padded} tokens, more than the per-device token "
@@ -189,8 +185,7 @@ def check_thd_alignment(mesh: TrainMesh, section: Mapping[str, Any], max_sequenc
             ]
     return [
         Check(
-            "mesh",
-            f"{mesh.role}-thd-alignment",
+            f"mesh.{mesh.role}-thd-alignment",
             OK,
             f"{mesh.role}: {layout} sequences padded to multiples of {align}; longest {max_sequence} -> {padded}",
         )
@@ -206,8 +201,7 @@ def check_batches(config: Mapping[str, Any], mesh: TrainMesh) -> list[Check]:
     if train % mini:
         checks.append(
             Check(
-                "mesh",
-                "batch-mini",
+                "mesh.batch-mini",
                 FAIL,
                 f"data.train_batch_size {train} is not divisible by actor.ppo_mini_batch_size {mini}",
             )
@@ -215,8 +209,7 @@ def check_batches(config: Mapping[str, Any], mesh: TrainMesh) -> list[Check]:
     if mesh.world % (mesh.tp * mesh.pp * mesh.cp) == 0 and (mini * n) % mesh.dp:
         checks.append(
             Check(
-                "mesh",
-                "batch-dp",
+                "mesh.batch-dp",
                 FAIL,
                 f"ppo_mini_batch_size {mini} x rollout.n {n} = {mini * n} samples per mini-batch do not split over "
                 f"{mesh.dp} data-parallel ranks",
@@ -228,8 +221,7 @@ def check_batches(config: Mapping[str, Any], mesh: TrainMesh) -> list[Check]:
         if micro and per_rank % int(micro):
             checks.append(
                 Check(
-                    "mesh",
-                    "batch-micro",
+                    "mesh.batch-micro",
                     FAIL,
                     f"{per_rank} samples per data-parallel rank per mini-batch (mini {mini} x n {n} / DP {mesh.dp}) "
                     f"are not divisible by ppo_micro_batch_size_per_gpu {micro}",
@@ -239,8 +231,7 @@ def check_batches(config: Mapping[str, Any], mesh: TrainMesh) -> list[Check]:
         per_rank = mini * n // max(mesh.dp, 1)
         checks.append(
             Check(
-                "mesh",
-                "batch",
+                "mesh.batch",
                 OK,
                 f"{train // mini} mini-batches per step, {per_rank} samples per data-parallel rank per mini-batch",
             )
@@ -252,7 +243,7 @@ def check_mesh(config: Mapping[str, Any], num_layers: int, num_experts: int) -> 
     """All mesh checks; returns them and the actor's mesh (the memory estimate uses it)."""
     trainer = config["trainer"]
     world = int(trainer["nnodes"]) * int(trainer["n_gpus_per_node"])
-    checks = [Check("mesh", "world", OK, f"{trainer['nnodes']} nodes x {trainer['n_gpus_per_node']} = {world}")]
+    checks = [Check("mesh.world", OK, f"{trainer['nnodes']} nodes x {trainer['n_gpus_per_node']} = {world}")]
     arr = config["actor_rollout_ref"]
     actor = train_mesh("actor", arr["actor"], world)
     checks += check_train_mesh(actor, num_layers, num_experts)
@@ -270,5 +261,5 @@ def check_mesh(config: Mapping[str, Any], num_layers: int, num_experts: int) -> 
     checks += check_thd_alignment(actor, arr["actor"], max_sequence)
     checks += check_batches(config, actor)
     if not any(c.status == FAIL for c in checks) and actor.dp == 0:
-        checks.append(Check("mesh", "actor-dp", WARN, "actor: no data-parallel ranks"))
+        checks.append(Check("mesh.actor-dp", WARN, "actor: no data-parallel ranks"))
     return checks, actor

@@ -6,7 +6,7 @@ import re
 from pathlib import Path
 from typing import Any
 
-from verl_npu.preflight.checks import FAIL, OK, WARN, Check
+from verl_npu.checks import FAIL, OK, WARN, Check
 from verl_npu.preflight.model_shape import load_config
 
 GLM5_NAME = re.compile(r"glm-?5", re.IGNORECASE)
@@ -33,14 +33,14 @@ def resolve_model(model_path: str | None, model_config: str | None, beside_scrip
     """
 
     def failed(message: str) -> Resolved:
-        return None, Check("config", "model", FAIL, message), None
+        return None, Check("config.model", FAIL, message), None
 
     source = model_config or model_path
     if source is None:
         return failed("no model: set actor_rollout_ref.model.path or --model-config")
     try:
         origin = FROM_MODEL_CONFIG if model_config else FROM_MODEL_PATH
-        return load_config(source), Check("config", "model", OK, f"model config from {source}"), origin
+        return load_config(source), Check("config.model", OK, f"model config from {source}"), origin
     except (ValueError, OSError) as exc:
         missing = exc
     if model_config is None and beside_script is not None:
@@ -52,7 +52,7 @@ def resolve_model(model_path: str | None, model_config: str | None, beside_scrip
             f"model config from {beside_script} (beside the launch script): {model_path} is not on this machine; "
             "pass --model-config PATH to check another config.json"
         )
-        return hf, Check("config", "model", OK, message), FROM_BESIDE_SCRIPT
+        return hf, Check("config.model", OK, message), FROM_BESIDE_SCRIPT
     name = Path(model_path).name if model_path else ""
     if model_config is None and GLM5_NAME.search(name):
         glm52 = bool(GLM5_2_NAME.search(name))
@@ -64,5 +64,5 @@ def resolve_model(model_path: str | None, model_config: str | None, beside_scrip
         )
         message = f"{model_path} is not on this machine; using {what} (pass --model-config PATH to check the real "
         message += "config.json)"
-        return load_config("glm5.2" if glm52 else "glm5"), Check("config", "model", WARN, message), FROM_NAME
+        return load_config("glm5.2" if glm52 else "glm5"), Check("config.model", WARN, message), FROM_NAME
     return failed(f"{missing}; pass --model-config with a config.json, a model directory, 'glm5' or 'glm5.2'")

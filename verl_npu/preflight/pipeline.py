@@ -12,7 +12,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from verl_npu.preflight.checks import FAIL, OK, WARN, Check
+from verl_npu.checks import FAIL, OK, WARN, Check
 from verl_npu.preflight.model import FROM_BESIDE_SCRIPT, FROM_NAME
 from verl_npu.preflight.report import PreflightReport
 
@@ -92,10 +92,12 @@ def _check(report: PreflightReport, launch: Launch, worker: PreflightWorker, req
     from verl_npu.preflight import config_check
     from verl_npu.preflight.model_shape import ModelShape
 
-    config = compose(report, launch)
+    before = len(report.checks)
+    config = compose(report, launch, worker)
     if config is None:
         return
     position = len(report.checks)  # verl's own validation is reported right after composition
+    compose_checks = report.checks[before:position]
     resolved = resolve(report, config)
     if resolved is None:
         return
@@ -103,7 +105,7 @@ def _check(report: PreflightReport, launch: Launch, worker: PreflightWorker, req
     report.checks += config_check.rollout_environment_checks(resolved, launch_env)
     if worker.running:
         _prefetch()
-    hf = validate(report, worker, config, resolved, request.model_config, position)
+    hf = validate(report, worker, config, compose_checks, resolved, request.model_config, position)
     if hf is None:
         return
     stand_in = report.model_origin in (FROM_BESIDE_SCRIPT, FROM_NAME)  # the model path's name is evidence too
@@ -141,12 +143,10 @@ def launch_checks(launch: Launch) -> list[Check]:
     checks = []
     for finding in launch.findings:  # the reader's messages name their line
         status = FAIL if finding.severity == "error" else WARN
-        checks.append(Check("launch", finding.code, status, finding.message))
+        checks.append(Check(f"launch.{finding.code}", status, finding.message))
     if launch.module is not None:
         where = f"line {launch.trainer_line}" if launch.trainer_line else launch.source
-        checks.append(
-            Check("launch", "trainer", OK, f"{launch.module} with {len(launch.overrides)} overrides ({where})")
-        )
+        checks.append(Check("launch.trainer", OK, f"{launch.module} with {len(launch.overrides)} overrides ({where})"))
     return checks
 
 
@@ -161,11 +161,12 @@ def start_worker(
     return PreflightWorker(launch.config_name, list(launch.overrides), model_config, use_cache, beside_script)
 
 
-def compose(report: PreflightReport, launch: Launch) -> Any:
-    """verl's DictConfig with the launch's overrides (None when it does not compose)."""
+def compose(report: PreflightReport, launch: Launch, worker: PreflightWorker) -> Any:
+    """verl's DictConfig with the launch's overrides (None when it does not compose); a cached answer has it."""
     from verl_npu.preflight import config_check
 
-    config, checks = config_check.compose_config(launch.config_name, launch.overrides)
+    composed = worker.cached_composition()
+    config, checks = composed or config_check.compose_config(launch.config_name, launch.overrides)
     report.checks += checks
     return config
 
@@ -179,7 +180,7 @@ def resolve(report: PreflightReport, config: Any) -> Mapping[str, Any] | None:
     try:
         return config_check.as_mapping(config)
     except OmegaConfBaseException as exc:
-        report.checks.append(Check("config", "interpolation", FAIL, f"a value does not resolve: {exc}"))
+        report.checks.append(Check("config.interpolation", FAIL, f"a value does not resolve: {exc}"))
         return None
 
 
@@ -187,13 +188,14 @@ def validate(
     report: PreflightReport,
     worker: PreflightWorker,
     config: Any,
+    compose_checks: list[Check],
     resolved: Mapping[str, Any],
     model_config: str | None,
     position: int,
 ) -> dict[str, Any] | None:
     """verl's own validation (reported at ``position``) and the model's HF config, both from the worker."""
     model_path = resolved["actor_rollout_ref"]["model"].get("path")
-    hf, model_check, verl_checks, report.model_origin = worker.ask(config, model_path, model_config)
+    hf, model_check, verl_checks, report.model_origin = worker.ask(config, model_path, model_config, compose_checks)
     report.checks[position:position] = verl_checks
     report.checks.append(model_check)
     return hf
@@ -236,5 +238,5 @@ def memory(
             resolved, shape, actor_mesh, plan, request.target, request.host_memory_gib
         )
     except DtypeError as exc:
-        checks = [Check("memory", "dtype", FAIL, f"actor: {exc}")]
+        checks = [Check("memory.dtype", FAIL, f"actor: {exc}")]
     report.checks += checks

@@ -7,7 +7,8 @@ import json
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from verl_npu.preflight.checks import FAIL, OK, WARN, Check, verdict
+from verl_npu import checks as shared_checks
+from verl_npu.checks import Check
 
 if TYPE_CHECKING:  # rich loads when a report is printed, not when preflight starts
     from rich.console import Console
@@ -26,14 +27,15 @@ class PreflightReport:
 
     @property
     def verdict(self) -> str:
-        return verdict(self.checks)
+        """ "go" unless a check failed."""
+        return "no-go" if shared_checks.failed(self.checks) else "go"
 
     def to_dict(self) -> dict[str, Any]:
         return {
             "source": self.source,
             "chip": self.chip,
             "verdict": self.verdict,
-            "checks": [c.to_dict() for c in self.checks],
+            "checks": shared_checks.to_json(self.checks),
             "overrides": self.overrides,
             "model": self.model,
             "model_origin": self.model_origin,
@@ -41,22 +43,12 @@ class PreflightReport:
         }
 
 
-_STATUS = {OK: "[green]ok[/]", WARN: "[yellow]warn[/]", FAIL: "[bold red]FAIL[/]"}
 COMPONENTS = ("weights", "grads", "optimizer", "activations", "carry", "workspace", "overhead")
 
 
 def checks_table(report: PreflightReport) -> Table:
-    from rich.markup import escape
-    from rich.table import Table
-
-    table = Table(title=f"verl-npu preflight: {report.source} (chip {report.chip})", show_lines=False)
-    table.add_column("area")
-    table.add_column("check")
-    table.add_column("status")
-    table.add_column("detail", overflow="fold")
-    for check in report.checks:
-        table.add_row(check.area, check.name, _STATUS[check.status], escape(check.message))  # e.g. "[b, s, k]"
-    return table
+    title = f"verl-npu preflight: {report.source} (chip {report.chip})"
+    return shared_checks.table(report.checks, title, escape=True)  # details hold text such as "[b, s, k]"
 
 
 def memory_table(report: PreflightReport) -> Table | None:
@@ -129,8 +121,7 @@ def print_report(report: PreflightReport, console: Console) -> None:
     if report.verdict == "go":
         console.print("[bold green]GO[/]: the launch is valid and fits")
     else:
-        failed = sum(c.status == FAIL for c in report.checks)
-        console.print(f"[bold red]NO-GO[/]: {failed} check(s) failed")
+        console.print(f"[bold red]NO-GO[/]: {shared_checks.summary(report.checks)}")
 
 
 def write_json(report: PreflightReport, path: Path) -> None:

@@ -10,7 +10,6 @@ optimizer and its state are megatron's own.
 from __future__ import annotations
 
 import os
-import socket
 
 import torch
 from torch.overrides import TorchFunctionMode
@@ -80,18 +79,9 @@ def deactivate() -> None:
 
 
 def init_model_parallel() -> None:
-    import torch.distributed as dist
-    from megatron.core import parallel_state
+    from verl_npu.testing.distributed import init_single_process
 
-    if not dist.is_initialized():
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        os.environ["MASTER_ADDR"] = "127.0.0.1"
-        os.environ["MASTER_PORT"] = str(port)
-        dist.init_process_group("gloo", rank=0, world_size=1)
-    if not parallel_state.model_parallel_is_initialized():
-        parallel_state.initialize_model_parallel()
+    init_single_process("gloo")
 
 
 def tiny_gpt(seed: int = 1234, *, distributed_optimizer: bool = True, hidden: int = 64, layers: int = 2):

@@ -1,0 +1,615 @@
+"""A static evaluator for bash scripts: what a script's commands would receive, without running anything.
+
+The script is parsed with tree-sitter's bash grammar and evaluated in statement order: assignments, exports,
+parameter expansions, arithmetic, arrays, ``set -u``/``set -a``, ``source`` and functions called at top level.
+A subclass says which commands it is looking for (``recognize``); the evaluator hands it each one with its words
+expanded as bash would, and records findings (unset variables, syntax errors) on the way.
+
+Static on purpose: the scripts it reads may start Ray, write files or submit jobs, and must be safe to read anywhere.
+What only running a command would tell (``$(...)``, values assigned under ``if`` or in loops) is kept as a visible
+placeholder such as ``<$(uname -m)>`` and reported.
+"""
+
+from __future__ import annotations
+
+import functools
+import operator
+import re
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass, replace
+from fnmatch import fnmatchcase
+from pathlib import Path
+
+import tree_sitter_bash
+from tree_sitter import Language, Node, Parser
+
+NAME = re.compile(r"[A-Za-z_]\w*")
+# $(dirname "$0") and $(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd) name the script's own folder: known statically.
+_SELF_DIR = re.compile(r"(?:cd\s+\$\()?dirname\s+\$\{?(0|BASH_SOURCE(?:\[0\])?)\}?\)?(?:\s*(?:&&|;)\s*pwd(?:\s+-P)?)?")
+# Set by bash itself, so never unset, but their values belong to the machine that runs the script.
+_SHELL_PROVIDED = re.compile(r"PWD|OLDPWD|HOME|USER|HOSTNAME|UID|EUID|RANDOM|SECONDS|PPID|BASHPID|SHELL|PATH")
+# IFS whitespace, except inside a <$(...)> placeholder, which stands for one unknown value.
+_SPLIT = re.compile(r"[ \t\n]+(?=[^<>]*(?:<|$))")
+_ANSI = {"n": "\n", "t": "\t", "r": "\r", "a": "\a", "b": "\b", "e": "\x1b", "f": "\f", "v": "\v"}
+_ARITH = {"+": operator.add, "-": operator.sub, "*": operator.mul, "**": operator.pow, "<<": operator.lshift}
+_ARITH |= {">>": operator.rshift, "&": operator.and_, "|": operator.or_, "^": operator.xor}
+_BLOCKS = {"if_statement": "an if block", "case_statement": "a case block", "while_statement": "a while/until loop"}
+_BLOCKS |= {"for_statement": "a for loop", "c_style_for_statement": "a for loop"}
+CHAINS = {"pipeline", "list", "redirected_statement", "negated_command"}
+_DECLARE = {"export", "declare", "local", "readonly", "typeset"}
+LIT, QUOTED, UNQUOTED, BREAK = "lit", "quoted", "unquoted", "break"  # kinds of word pieces, see _fields
+Pieces = list[tuple[str, str]]
+
+
+@dataclass(frozen=True)
+class Finding:
+    severity: str  # "error" or "warning"
+    code: str  # unset-variable, required-variable, unparsed, unresolved; a subclass adds its own
+    message: str
+    line: int | None
+
+
+_DEFAULT_OPS = (":-", "-", ":=", "=", ":?", "?", ":+", "+")
+
+
+@dataclass(frozen=True)
+class _Param:
+    """One parameter expansion being evaluated: its node, the nodes after the name, and the value found."""
+
+    node: Node
+    rest: list[Node]
+    hi: int  # where the operand ends (before the closing brace)
+    name: str
+    val: str | list[str] | None
+    star: bool
+    quoted: bool
+    line: int
+
+
+class Taint:
+    """What a value depends on, to report if it reaches a recognised command; variables carry theirs."""
+
+    def __init__(self) -> None:
+        self.unknown: dict[str, int] = {}  # message -> line
+        self.unset: dict[tuple[str, int, bool], None] = {}  # (name, line, under set -u)
+        self.uncertain: dict[tuple[str, int, str], None] = {}  # (name, line, block)
+        self.required: list[tuple[str, str, int]] = []  # ${X:?msg} that fired: (name, msg, line)
+        self.passthrough = False
+
+    def merge(self, other: Taint | None) -> None:
+        if other is not None:
+            self.unknown |= other.unknown
+            self.unset |= other.unset
+            self.uncertain |= other.uncertain
+            self.passthrough |= other.passthrough
+
+
+@functools.cache
+def _parser() -> Parser:
+    return Parser(Language(tree_sitter_bash.language()))
+
+
+def node_line(node: Node) -> int:
+    return node.start_point.row + 1
+
+
+def node_text(node: Node) -> str:
+    return (node.text or b"").decode()
+
+
+def _unescape(s: str, quoted: bool) -> str:
+    pattern = r'\\([$`"\\\n])' if quoted else r"\\(.)"
+    return re.sub(pattern, lambda m: "" if m[1] == "\n" else m[1], s, flags=re.S)
+
+
+def _ansi(m: re.Match) -> str:
+    code = m[1]
+    return (
+        chr(int(code[1:], 16) if code[0] == "x" else int(code, 8)) if code[0] in "x01234567" else _ANSI.get(code, code)
+    )
+
+
+def _fields(pieces: Pieces) -> list[str]:
+    """Bash word splitting: only unquoted expansions split, and a quoted empty string is still a word."""
+    out: list[str] = []
+    cur, have = "", False
+    for kind, text in pieces:
+        if kind == UNQUOTED:
+            for i, part in enumerate(_SPLIT.split(text)):
+                if i and have:
+                    out.append(cur)
+                    cur, have = "", False
+                if part:
+                    cur, have = cur + part, True
+        elif kind == BREAK:
+            if have:
+                out.append(cur)
+            cur, have = "", False
+        elif kind == QUOTED or text:
+            cur, have = cur + text, True
+    return [*out, cur] if have else out
+
+
+def join_pieces(pieces: Pieces) -> str:
+    """An assignment's value: no word splitting, "$@" joined by spaces."""
+    return "".join(" " if kind == BREAK else text for kind, text in pieces)
+
+
+def scalar(value: str | list[str]) -> str:
+    return " ".join(value) if isinstance(value, list) else value
+
+
+def _int(text: str) -> int:
+    text = text.strip()
+    if "#" in text:
+        base, digits = text.split("#", 1)
+        return int(digits, int(base))
+    return int(text, 8) if re.fullmatch(r"0[0-7]+", text) else int(text, 0) if text else 0
+
+
+def _trim(value: str, op: str, pattern: str) -> str:
+    cuts = range(len(value) + 1)
+    for i in cuts if op in ("#", "%%") else reversed(cuts):
+        if op[0] == "#" and fnmatchcase(value[:i], pattern):
+            return value[i:]
+        if op[0] == "%" and fnmatchcase(value[i:], pattern):
+            return value[:i]
+    return value
+
+
+def descendants(node: Node, kind: str) -> Iterator[Node]:
+    for child in node.named_children:
+        if child.type == kind:
+            yield child
+        if child.type not in ("command_substitution", "process_substitution"):
+            yield from descendants(child, kind)
+
+
+class StaticShell:
+    def __init__(self, path: Path, args: Sequence[str], env: Mapping[str, str]) -> None:
+        self.main = self.file = path
+        self.vars: dict[str, str | list[str]] = dict(env)
+        self.exported = set(env)
+        self.taint: dict[str, Taint] = {}
+        self.uncertain: dict[str, tuple[int, str]] = {}  # assigned in an unevaluated block: (line, block)
+        self.args = list(args)
+        self.nounset = self.allexport = self.probing = False
+        self.functions: dict[str, tuple[Node, Path]] = {}
+        self.active: list[object] = []  # files being sourced and functions running: recursion guard
+        self.findings: list[Finding] = []
+
+    TARGET = "the command"  # what the messages call a recognised command
+
+    # what a subclass looks for
+
+    def may_recognize(self, command: Node) -> bool:
+        """Whether a command inside an unevaluated block may be one ``recognize`` takes (read as if the block ran)."""
+        return False
+
+    def recognize(self, node: Node, words: list[str], loose: bool, prefix: list[Node], ctx: Taint, block) -> bool:
+        """Take a command the subclass is looking for; True means it was taken and is not run as a builtin.
+
+        ``words`` are its expanded words, ``loose`` says its name did not resolve (``$PYTHON`` unset), ``prefix``
+        its ``NAME=value`` assignments, ``block`` the unevaluated block it sits in (description, line) or None.
+        """
+        return False
+
+    def report(self, severity: str, code: str, line: int | None, message: str) -> None:
+        if self.file != self.main:
+            message = f"{self.file.name}: {message}"
+        self.findings.append(Finding(severity, code, message, line))
+
+    # statements
+
+    def run_file(self, path: Path, data: bytes) -> None:
+        tree = _parser().parse(data)
+        outer, self.file = self.file, path
+        self.active.append(path.resolve())
+        try:
+            for bad in self._errors(tree.root_node) if tree.root_node.has_error else ():
+                msg = f"line {node_line(bad)} is not valid bash (near {node_text(bad).split(chr(10))[0][:40]!r}); "
+                msg += f"{self.TARGET} may be misread: check it with `bash -n`"
+                self.report("error", "unparsed", node_line(bad), msg)
+            self._block(tree.root_node)
+        finally:
+            self.file = outer
+            self.active.pop()
+
+    def _errors(self, node: Node) -> Iterator[Node]:
+        if node.is_missing:
+            yield node
+        elif node.type == "ERROR":
+            # tree-sitter wraps the valid statements before a syntax error into the ERROR node too
+            ok = {"command", "comment", "variable_assignment", "declaration_command", *CHAINS, *_BLOCKS}
+            yield next((c for c in node.children if c.type not in ok), node)
+        else:
+            for child in node.children:
+                if child.has_error or child.is_missing:
+                    yield from self._errors(child)
+
+    def _block(self, node: Node) -> None:
+        for child in node.named_children:
+            self._stmt(child)
+
+    def _stmt(self, node: Node) -> None:
+        kind = node.type
+        if kind == "variable_assignment":
+            self._assign(node)
+        elif kind in ("variable_assignments", "pipeline", "list", "negated_command", "compound_statement", "ERROR"):
+            self._block(node)
+        elif kind == "declaration_command":
+            flags = "".join(node_text(c)[1:] for c in node.named_children if node_text(c).startswith("-"))
+            export = node.children[0].type == "export" or "x" in flags
+            for child in node.named_children:
+                if child.type == "variable_assignment":
+                    self._assign(child, export)
+                elif child.type == "variable_name" and export:
+                    self.exported.add(node_text(child))
+        elif kind == "command":
+            self._command(node)
+        elif kind == "redirected_statement" and (body := node.child_by_field_name("body")):
+            self._stmt(body)
+        elif kind == "function_definition" and (body := node.child_by_field_name("body")):
+            self.functions[node_text(node.child_by_field_name("name"))] = (body, self.file)
+        elif kind == "subshell":
+            saved = dict(self.vars), set(self.exported), dict(self.taint), dict(self.uncertain), list(self.args)
+            self._block(node)
+            self.vars, self.exported, self.taint, self.uncertain, self.args = saved
+        elif kind in _BLOCKS:
+            self._conditional(node, _BLOCKS[kind])
+
+    def _conditional(self, node: Node, block: str) -> None:
+        """Evaluate nothing inside (no guessing), but remember what it may assign and look for recognised commands."""
+        assigned = (a for a in descendants(node, "variable_assignment") if a.parent.type != "command")
+        names = [a.child_by_field_name("name") for a in assigned] + node.children_by_field_name("variable")
+        for name in names:
+            if name is not None and name.type == "variable_name":
+                self.uncertain[node_text(name)] = (node_line(name), block)
+        self.probing = True
+        try:
+            for cmd in descendants(node, "command"):
+                if self.may_recognize(cmd):
+                    self._command(cmd, block=(block, node_line(node)))
+        finally:
+            self.probing = False
+
+    def _assign(self, node: Node, export: bool = False) -> None:
+        target, value = node.child_by_field_name("name"), node.child_by_field_name("value")
+        ctx, name, index = Taint(), node_text(target), None
+        if value is None:
+            val: str | list[str] = ""
+        elif value.type == "array":
+            elements = (self._fields(el, ctx) for el in value.named_children if el.type != "comment")
+            val = [re.sub(r"^\[[^]]*\]=", "", w) if i == 0 else w for ws in elements for i, w in enumerate(ws)]
+        else:
+            val = join_pieces(self._tilde(self._pieces(value, ctx), ctx, node_line(value)))
+        if target.type == "subscript":
+            name = node_text(target.child_by_field_name("name"))
+            index = self._calc(target.child_by_field_name("index"), ctx) or 0
+        old = self.vars.get(name)
+        if index is not None or any(c.type == "+=" for c in node.children):
+            ctx.merge(self.taint.get(name))
+            items = old if isinstance(old, list) else ([] if old is None else [old])
+            if index is not None:  # arrays are dense here: ARR[9]=x past the end appends, as "${ARR[@]}" shows it
+                val = [*items[:index], scalar(val), *items[index + 1 :]]
+            elif isinstance(val, list) or isinstance(old, list):
+                val = [*items, *(val if isinstance(val, list) else [val])]
+            else:
+                val = (old or "") + val
+        self._set(name, val, ctx)
+        if export:
+            self.exported.add(name)
+        self._required(ctx)
+
+    def _set(self, name: str, val: str | list[str], ctx: Taint) -> None:
+        if not self.probing:
+            self.vars[name], self.taint[name] = val, ctx
+            self.uncertain.pop(name, None)
+            if self.allexport:
+                self.exported.add(name)
+
+    def _required(self, ctx: Taint) -> None:
+        for name, msg, line in ctx.required:
+            text = f'{name} is not set, so bash stops at line {line} with "{msg}": set {name} before running the script'
+            self.report("error", "required-variable", line, text)
+
+    def _command(self, node: Node, block: tuple[str, int] | None = None) -> None:
+        # The grammar glues `A=1 B=2`, a comment line and the next command into one node; a newline that is not a
+        # line continuation ends a statement, so the assignments before it are plain assignments.
+        kids, start, raw = node.named_children, 0, node.text or b""
+        for i in range(1, len(kids)):
+            gap = raw[kids[i - 1].end_byte - node.start_byte : kids[i].start_byte - node.start_byte]
+            if kids[i - 1].type == "comment" or b"\n" in gap.replace(b"\\\n", b""):
+                start = i
+        name_node = node.child_by_field_name("name")
+        prefix = [c for c in kids[start:] if c.type == "variable_assignment"]
+        for a in [c for c in kids[:start] if c.type == "variable_assignment"] + (prefix if not name_node else []):
+            if not self.probing:
+                self._assign(a)
+        if name_node is None:
+            return
+        ctx = Taint()
+        words = self._fields(name_node, ctx)
+        # an unresolvable "$PYTHON" may well be the interpreter: judged by the -m that follows
+        loose = b"$" in (name_node.text or b"") and bool(ctx.unknown or ctx.unset or ctx.required)
+        words = words or ([f"<{node_text(name_node)}>"] if loose else [])
+        words += [w for arg in node.children_by_field_name("argument") for w in self._fields(arg, ctx)]
+        if self.recognize(node, words, loose, prefix, ctx, block):
+            return
+        if not self.probing:
+            self._required(ctx)
+            self._builtin(words, node_line(node))
+
+    def _builtin(self, words: list[str], line: int) -> None:
+        cmd, rest = (words[0], words[1:]) if words else ("", [])
+        if cmd == "set":
+            for i, flag in enumerate(rest):
+                letters = flag[1:] if re.fullmatch(r"[-+][a-zA-Z]+", flag) else ""
+                opt = rest[i + 1] if letters.endswith("o") and i + 1 < len(rest) else ""
+                if "u" in letters or opt == "nounset":
+                    self.nounset = flag[0] == "-"
+                if "a" in letters or opt == "allexport":
+                    self.allexport = flag[0] == "-"
+        elif cmd == "shift":
+            self.args = self.args[int(rest[0]) if rest and rest[0].isdigit() else 1 :]
+        elif cmd == "unset":
+            for name in (w for w in rest if not w.startswith("-")):
+                self.vars.pop(name, None)
+                self.exported.discard(name)
+        elif cmd in _DECLARE:  # only when the grammar took the builtin for a plain command
+            for name, eq, value in (w.partition("=") for w in rest if not w.startswith("-")):
+                if eq:
+                    self._set(name, value, Taint())
+                if cmd == "export":
+                    self.exported.add(name)
+        elif cmd in ("source", ".") and rest:
+            self._source(rest[0], line)
+        elif cmd in self.functions and cmd not in self.active:
+            body, where = self.functions[cmd]
+            saved, self.args, outer, self.file = self.args, rest, self.file, where
+            self.active.append(cmd)
+            try:
+                self._block(body)
+            finally:
+                self.args, self.file = saved, outer
+                self.active.pop()
+
+    def _source(self, word: str, line: int) -> None:
+        path = Path(word)
+        if not path.is_absolute():  # relative to the script, never to preflight's own working directory
+            dirs = (self.file.parent, self.main.parent)
+            path = next((d / path for d in dirs if (d / path).is_file()), self.file.parent / path)
+        if path.resolve() in self.active:
+            return
+        try:
+            data = path.read_bytes()
+        except OSError:
+            msg = f"`source {word}`: {path} cannot be read here, so the variables it sets are unknown to preflight"
+            self.report("warning", "unresolved", line, msg)
+            return
+        self.run_file(path, data)
+
+    # words
+
+    def _fields(self, node: Node, ctx: Taint) -> list[str]:
+        return _fields(self._tilde(self._pieces(node, ctx), ctx, node_line(node)))
+
+    def _tilde(self, pieces: Pieces, ctx: Taint, line: int) -> Pieces:
+        """~ and ~/x, also after NAME= as bash does (but not after data.path=, which is no assignment)."""
+        if pieces and pieces[0][0] == LIT and (m := re.match(r"(?:[A-Za-z_]\w*=)?~(?=/|$)", pieces[0][1])):
+            home = scalar(self._var("HOME", ctx, line) or "~")
+            pieces[0] = (LIT, m[0][:-1] + home + pieces[0][1][m.end() :])
+        return pieces
+
+    def _pieces(self, node: Node, ctx: Taint, quoted: bool = False, lit: str = LIT) -> Pieces:
+        kind, text = node.type, node_text(node)
+        if kind == "string":
+            end = node.end_byte - text.endswith('"')
+            pieces = self._span(node, ctx, node.start_byte + 1, end, node.named_children, True, lit)
+            return pieces if pieces or node.named_children else [(QUOTED, "")]  # "$@" without args is no word
+        if kind == "raw_string":
+            return [(QUOTED, text[1:-1])]
+        if kind == "ansi_c_string":
+            return [(QUOTED, re.sub(r"\\(x[0-9a-fA-F]{1,2}|[0-7]{1,3}|.)", _ansi, text[2:-1], flags=re.S))]
+        if kind == "translated_string" and node.named_children:
+            return self._pieces(node.named_children[-1], ctx, quoted, lit)
+        if kind in ("concatenation", "command_name"):
+            return self._span(node, ctx, node.start_byte, node.end_byte, node.named_children, quoted, lit)
+        if kind in ("simple_expansion", "expansion"):
+            return self._expand(node, ctx, quoted)
+        if kind == "arithmetic_expansion":
+            if node.named_children and (value := self._calc(node.named_children[-1], ctx)) is not None:
+                return [(QUOTED, str(value))]
+            ctx.unknown[f"{text} cannot be computed statically; {self.TARGET} gets <{text}>"] = node_line(node)
+            return [(QUOTED, f"<{text}>")]
+        if kind in ("command_substitution", "process_substitution"):
+            inner = re.sub(r"[\"']", "", text[2:-1] if text.startswith("$(") else text[1:-1]).strip()
+            if m := _SELF_DIR.fullmatch(inner):
+                return [(QUOTED, str((self.main if m[1] == "0" else self.file).absolute().parent))]
+            msg = f"{text} is a command's output, which preflight does not run; {self.TARGET} gets <{text}>"
+            ctx.unknown[msg] = node_line(node)
+            return [(QUOTED, f"<{text}>")]
+        return [(QUOTED, _unescape(text, True))] if quoted else [(lit, _unescape(text, False))]
+
+    def _span(self, node: Node, ctx: Taint, lo: int, hi: int, kids, quoted: bool, lit: str) -> Pieces:
+        """Pieces of the kids within [lo, hi); text the grammar left between them is literal."""
+        out: Pieces = []
+        pos, raw = lo, node.text or b""
+
+        def gap(a: int, b: int) -> None:
+            if b > a:
+                s = raw[a - node.start_byte : b - node.start_byte].decode()
+                out.append((QUOTED, _unescape(s, True)) if quoted else (lit, _unescape(s, False)))
+
+        for kid in kids:
+            if kid.start_byte >= lo and kid.end_byte <= hi:
+                gap(pos, kid.start_byte)
+                out.extend(self._pieces(kid, ctx, quoted, lit))
+                pos = kid.end_byte
+        gap(pos, hi)
+        return out
+
+    def _var(self, name: str, ctx: Taint, line: int) -> str | list[str] | None:
+        ctx.merge(self.taint.get(name))
+        if name in self.uncertain:
+            ctx.uncertain[(name, *self.uncertain[name])] = None
+        if name == "BASH_SOURCE" and name not in self.vars:
+            return [str(self.file.absolute())]
+        if name not in self.vars and _SHELL_PROVIDED.fullmatch(name):
+            ctx.unknown[f"${name} belongs to the machine that runs the script; pass it in env to resolve it"] = line
+            return f"<${name}>"
+        return self.vars.get(name)
+
+    def _expand(self, node: Node, ctx: Taint, quoted: bool) -> Pieces:
+        """$NAME and ${...}: the value, its length (${#...}), a default (${x:-...}) or a transformation."""
+        kids = [c for c in node.children if c.type not in ("$", "${", "}")]
+        hi = node.children[-1].start_byte if node.children[-1].type == "}" else node.end_byte
+        prefix = kids.pop(0).type if len(kids) > 1 and kids[0].type in ("#", "!") else None
+        if not kids:
+            return [(LIT, node_text(node))]
+        line = node_line(node)
+        name, val, star = self._lookup(kids[0], ctx, line)
+        if prefix == "!" and isinstance(val, str):
+            name, val = val, self._var(val, ctx, line)
+        p = _Param(node, kids[1:], hi, name, val, star, quoted, line)
+        if prefix == "#":
+            if val is None:
+                ctx.unset[(name, line, self.nounset)] = None
+            return [(QUOTED, str(len(val or "")))]
+        op = p.rest[0].type if p.rest else None
+        if op in _DEFAULT_OPS:
+            return self._defaulted(p, op, ctx)
+        if val is None:
+            ctx.unset[(name, line, self.nounset)] = None
+            p = replace(p, val="")
+        if op is None:
+            return self._out(p.val, quoted, star)
+        return self._transform(p, op, ctx)
+
+    def _lookup(self, target: Node, ctx: Taint, line: int) -> tuple[str, str | list[str] | None, bool]:
+        """(name, value, whether it is $* / ${A[*]}) of an expansion's parameter."""
+        name = node_text(target)
+        if target.type == "subscript":
+            name, index = node_text(target.child_by_field_name("name")), target.child_by_field_name("index")
+            arr = self._var(name, ctx, line)
+            items = arr if isinstance(arr, list) else ([] if arr is None else [arr])
+            if node_text(index) in ("@", "*"):
+                return name, list(items), node_text(index) == "*"
+            i = self._calc(index, ctx) or 0
+            return name, items[i] if i < len(items) else None, False
+        if name in ("@", "*"):
+            ctx.passthrough = True
+            return name, list(self.args), name == "*"
+        if name == "#":
+            return name, str(len(self.args)), False
+        if name.isdigit():
+            return (
+                name,
+                str(self.main.absolute()) if name == "0" else dict(enumerate(self.args, 1)).get(int(name)),
+                False,
+            )
+        if target.type == "special_variable_name":
+            ctx.unknown[f"${name} is only known while the script runs"] = line
+            return name, f"<${name}>", False
+        val = self._var(name, ctx, line)
+        if isinstance(val, list):  # $ARR is its first element
+            val = val[0] if val else None
+        return name, val, False
+
+    def _operand(self, p: _Param, ctx: Taint, quoted: bool, lo: int = 0, end: int = 0) -> Pieces:
+        """The word after the operator (from ``lo`` to ``end`` when given)."""
+        return self._span(p.node, ctx, lo or p.rest[0].end_byte, end or p.hi, p.rest[1:], quoted, UNQUOTED)
+
+    def _defaulted(self, p: _Param, op: str, ctx: Taint) -> Pieces:
+        """${x:-w} ${x-w} ${x:=w} ${x=w} ${x:?w} ${x?w} ${x:+w} ${x+w}."""
+        missing = p.val is None or (op[0] == ":" and not p.val)
+        if op in (":+", "+") and not missing:
+            return self._operand(p, ctx, p.quoted)
+        if op in (":+", "+", ":?", "?") or not missing:
+            if missing and "?" in op:
+                message = join_pieces(self._operand(p, ctx, True)) or "parameter null or not set"
+                ctx.required.append((p.name, message, p.line))
+            if not missing:
+                return self._out(p.val, p.quoted, p.star)
+            return [(QUOTED, "")] if p.quoted else []
+        sub = Taint()
+        pieces = self._operand(p, sub, p.quoted)
+        ctx.merge(sub)
+        if "=" in op:
+            self._set(p.name, join_pieces(pieces), sub)
+        return pieces
+
+    def _transform(self, p: _Param, op: str, ctx: Taint) -> Pieces:
+        """${x#w} ${x%w} ${x/a/b} ${x,,} ${x^^} ${x:start:length}, on each element of an array value."""
+        val, rest = p.val, p.rest
+        values, apply = (val if isinstance(val, list) else [val]), None
+        if op in ("#", "##", "%", "%%"):
+            apply = functools.partial(_trim, op=op, pattern=join_pieces(self._operand(p, ctx, True)))
+        elif op in ("/", "//") and (cut := next((k for k in rest[1:] if k.type == "/"), None)):
+            find = join_pieces(self._operand(p, ctx, True, end=cut.start_byte))
+            repl = join_pieces(self._operand(p, ctx, True, lo=cut.end_byte))
+            if not re.search(r"[*?\[]", find):
+                apply = lambda v: v.replace(find, repl, -1 if op == "//" else 1)  # noqa: E731
+        elif op in (",,", "^^"):
+            apply = str.lower if op == ",," else str.upper
+        elif op == ":" and (numbers := [self._calc(k, ctx) for k in rest[1:] if k.type != ":"]) and None not in numbers:
+            start = numbers[0] - (p.name == "@")  # ${@:1} starts at $1, which is args[0]
+            stop = start + numbers[1] if len(numbers) > 1 else None
+            if isinstance(val, list):
+                return self._out(values[start:stop], p.quoted, p.star)
+            apply = lambda v: v[start:stop]  # noqa: E731
+        if apply is None:
+            text = node_text(p.node)
+            ctx.unknown[f"{text} is not understood by preflight; {self.TARGET} gets <{text}>"] = p.line
+            return [(QUOTED, f"<{text}>")]
+        mapped = [apply(v) for v in values]
+        return self._out(mapped if isinstance(val, list) else mapped[0], p.quoted, p.star)
+
+    @staticmethod
+    def _out(val: str | list[str], quoted: bool, star: bool) -> Pieces:
+        kind = QUOTED if quoted else UNQUOTED
+        if not isinstance(val, list):
+            return [(kind, val)]
+        if quoted and star:
+            return [(QUOTED, " ".join(val))]
+        return [p for i, v in enumerate(val) for p in ([(BREAK, "")] if i else []) + [(kind, v)]]
+
+    def _calc(self, node: Node, ctx: Taint) -> int | None:
+        try:
+            return self._arith(node, ctx)
+        except (ValueError, ZeroDivisionError):  # unknown values, bad numbers
+            return None
+
+    def _arith(self, node: Node, ctx: Taint) -> int:
+        """A safe evaluator for bash integer arithmetic (never Python's eval)."""
+        kind, kids = node.type, node.named_children
+        if kind == "number":
+            return _int(node_text(node))
+        if kind in ("variable_name", "word") and NAME.fullmatch(node_text(node)):
+            return self._arith_name(node_text(node), ctx, node_line(node))
+        if kind in ("simple_expansion", "expansion", "string", "word", "concatenation"):
+            return _int(join_pieces(self._pieces(node, ctx)))
+        if kind == "parenthesized_expression" and kids:
+            return self._arith(kids[-1], ctx)
+        if kind == "unary_expression" and kids and node.children[0].type in ("-", "+", "!", "~"):
+            value = self._arith(kids[-1], ctx)
+            return {"-": -value, "+": value, "!": int(not value), "~": ~value}[node.children[0].type]
+        if kind == "binary_expression":
+            op = node.child_by_field_name("operator").type
+            left = self._arith(node.child_by_field_name("left"), ctx)
+            right = self._arith(node.child_by_field_name("right"), ctx)
+            if op in ("/", "%"):  # C semantics: truncate toward zero
+                quotient = abs(left) // abs(right) * (1 if (left < 0) == (right < 0) else -1)
+                return quotient if op == "/" else left - right * quotient
+            if op in _ARITH:
+                return _ARITH[op](left, right)
+        raise ValueError(node_text(node))
+
+    def _arith_name(self, name: str, ctx: Taint, line: int, depth: int = 0) -> int:
+        val = self._var(name, ctx, line)
+        if val is None:
+            ctx.unset[(name, line, self.nounset)] = None
+        text = scalar(val or "").strip()
+        if NAME.fullmatch(text) and depth < 8:  # bash evaluates a variable holding a name as that variable
+            return self._arith_name(text, ctx, line, depth + 1)
+        return _int(text)

@@ -20,7 +20,7 @@ from functools import cache
 from pathlib import Path
 from typing import Any
 
-from verl_npu.checks import FAIL, OK, WARN, Check
+from verl_npu.checks import FAIL, OK, WARN, Check, failed
 
 DEFAULT_CONFIG_NAME = "ppo_trainer"  # what verl.trainer.main_ppo composes without --config-name
 OTC_SUFFIX = ".override_transformer_config."
@@ -231,8 +231,7 @@ def compose_config(config_name: str | None, overrides: Sequence[str]) -> tuple[A
             checks.append(Check("config.bad-override", FAIL, f"{kept.pop(index)!r}: {message}"))
     else:  # pragma: no cover - the loop drops one override per failure, so it always ends
         return None, checks
-    failed = any(c.status == FAIL for c in checks)
-    if not failed:
+    if not failed(checks):
         checks.append(Check("config.compose", OK, f"{len(overrides)} overrides compose with verl's {name}.yaml"))
     return config, checks
 

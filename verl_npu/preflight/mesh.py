@@ -13,7 +13,7 @@ import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
-from verl_npu.checks import FAIL, OK, WARN, Check
+from verl_npu.checks import FAIL, OK, WARN, Check, failed
 
 
 @dataclasses.dataclass(frozen=True)
@@ -260,6 +260,6 @@ def check_mesh(config: Mapping[str, Any], num_layers: int, num_experts: int) -> 
     max_sequence = int(data["max_prompt_length"]) + int(data["max_response_length"])
     checks += check_thd_alignment(actor, arr["actor"], max_sequence)
     checks += check_batches(config, actor)
-    if not any(c.status == FAIL for c in checks) and actor.dp == 0:
+    if not failed(checks) and actor.dp == 0:
         checks.append(Check("mesh.actor-dp", WARN, "actor: no data-parallel ranks"))
     return checks, actor

@@ -12,7 +12,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from verl_npu.checks import FAIL, OK, WARN, Check
+from verl_npu.checks import FAIL, OK, WARN, Check, failed
 from verl_npu.preflight.model import FROM_BESIDE_SCRIPT, FROM_NAME
 from verl_npu.preflight.report import PreflightReport
 
@@ -218,7 +218,7 @@ def mesh(report: PreflightReport, resolved: Mapping[str, Any], shape: ModelShape
 
     checks, actor_mesh = mesh_checks.check_mesh(resolved, shape.num_layers, shape.num_experts)
     report.checks += checks
-    return None if any(c.status == FAIL for c in checks) else actor_mesh
+    return None if failed(checks) else actor_mesh
 
 
 def memory(

@@ -21,6 +21,7 @@ import os
 import pickle
 import subprocess
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -50,8 +51,9 @@ def cache_key(
         digest.update(importlib.metadata.version(dist).encode())
     for source in sorted(Path(__file__).parent.glob("*.py")):  # the checks themselves
         digest.update(source.read_bytes())
-    for source in sorted(verl_config_dir().rglob("*.yaml")):  # what the overrides compose with
-        digest.update(str(source.relative_to(verl_config_dir())).encode() + source.read_bytes())
+    config_dir = verl_config_dir()
+    for source in sorted(config_dir.rglob("*.yaml")):  # what the overrides compose with
+        digest.update(str(source.relative_to(config_dir)).encode() + source.read_bytes())
     return digest.hexdigest()
 
 
@@ -134,7 +136,7 @@ class PreflightWorker:
         config: Any,
         model_path: str | None,
         model_config: str | None,
-        compose_checks: list[Check] = (),
+        compose_checks: Sequence[Check] = (),
         timeout: float = 300.0,
     ) -> tuple[dict[str, Any] | None, Check, list[Check], str | None]:
         """(HF config dict or None, the model check, verl's validation checks, where the model config came from).

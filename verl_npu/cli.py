@@ -9,7 +9,8 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from verl_npu.stack.manifest import MANIFEST_PATH, TARGETS, Stack, StackError, load_stack
+from verl_npu.errors import UserError
+from verl_npu.stack.manifest import MANIFEST_PATH, TARGETS, Stack, load_stack
 
 if TYPE_CHECKING:  # each command imports what it needs: `verl-npu preflight` starts before doctor or rich load
     from rich.console import Console
@@ -287,6 +288,9 @@ def _positive_int(text: str) -> int:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="verl-npu", description="verl-npu: the Ascend NPU distribution of verl")
     parser.add_argument("--manifest", default=str(MANIFEST_PATH), help=argparse.SUPPRESS)
+    parser.add_argument(
+        "--debug", action="store_true", help="show the traceback of an unexpected error (anywhere on the line)"
+    )
     sub = parser.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("versions", help="print the pinned stack (verl_npu/stack/stack.toml)")
@@ -391,13 +395,48 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+EXIT_USAGE = 2  # a bad input: the message names the key, file or value and the fix (docs/errors.md)
+EXIT_INTERNAL = 3  # a bug in verl-npu: a short message; --debug shows the traceback
+
+
+def _command_name(args: argparse.Namespace) -> str:
+    words = [args.command, getattr(args, "ci_command", None), getattr(args, "contracts_command", None),
+             getattr(args, "k8s_command", None)]  # fmt: skip
+    return " ".join(["verl-npu", *(w for w in words if w)])
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    argv = list(sys.argv[1:] if argv is None else argv)
+    debug = "--debug" in argv  # accepted anywhere on the line, not only before the command
+    args = build_parser().parse_args([a for a in argv if a != "--debug"])
+    args.debug = debug
     try:
         return args.func(args)
-    except StackError as exc:
-        print(f"verl-npu: {exc}", file=sys.stderr)
-        return 2
+    except UserError as exc:
+        if args.debug:
+            raise
+        print(f"{_command_name(args)}: {_one_line(exc)}", file=sys.stderr)
+        return EXIT_USAGE
+    except KeyboardInterrupt:
+        print(f"{_command_name(args)}: interrupted", file=sys.stderr)
+        return 130
+    except OSError as exc:  # a file the user named cannot be read or written: their input, not our bug
+        if args.debug:
+            raise
+        print(f"{_command_name(args)}: {_one_line(exc)}", file=sys.stderr)
+        return EXIT_USAGE
+    except Exception as exc:
+        if args.debug:
+            raise
+        print(f"{_command_name(args)}: internal error: {type(exc).__name__}: {_one_line(exc)}\n"
+              "  this is a verl-npu bug; run the same command with --debug for the traceback and report it",
+              file=sys.stderr)  # fmt: skip
+        return EXIT_INTERNAL
+
+
+def _one_line(exc: BaseException) -> str:
+    text = " ".join(str(exc).split()) or type(exc).__name__
+    return text if len(text) <= 2000 else text[:1997] + "..."
 
 
 if __name__ == "__main__":

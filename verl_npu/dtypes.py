@@ -8,6 +8,8 @@ a :class:`DtypeError`, never a silent default.
 
 from __future__ import annotations
 
+from verl_npu.errors import UserError
+
 # canonical name -> bytes per element
 BYTES = {"fp32": 4, "bf16": 2, "fp16": 2, "fp8": 1, "int16": 2}
 # every accepted spelling -> canonical name
@@ -21,7 +23,7 @@ ALIASES = {
 }
 
 
-class DtypeError(ValueError):
+class DtypeError(UserError):
     """A dtype spelling no table here knows."""
 
     def __init__(self, value: object, what: str = "dtype"):

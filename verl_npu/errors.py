@@ -4,6 +4,15 @@ import sys
 import warnings
 
 
+class UserError(ValueError):
+    """An expected failure caused by what the user gave (a file, a value, an option).
+
+    The CLI prints its message as one line and exits 2 (docs/errors.md); the message must name the
+    offending key, file or value and how to fix it. Anything else that escapes a command is a bug:
+    the CLI prints a short message and the traceback only with --debug.
+    """
+
+
 class StackMismatchError(RuntimeError):
     """Installed packages differ from the pinned stack."""
 

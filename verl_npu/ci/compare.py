@@ -24,6 +24,7 @@ from typing import Any
 
 from verl_npu.checks import FAIL, OK, Check, Column, status_markup
 from verl_npu.checks import table as checks_table
+from verl_npu.errors import UserError
 
 _CONSOLE = re.compile(r"(?:^|\s)step:(\d+) - (.*)$")
 _NUMPY_SCALAR = re.compile(r"^np\.\w+\((.*)\)$")
@@ -41,7 +42,7 @@ DEFAULT_LIMITS = {
 DEFAULT_WINDOW = (5, 14)
 
 
-class CompareError(ValueError):
+class CompareError(UserError):
     """A log or baseline that cannot be compared (names the file, line or metric and the fix)."""
 
 

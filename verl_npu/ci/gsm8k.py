@@ -23,6 +23,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from verl_npu.errors import UserError
+
 DATA_SOURCE = "openai/gsm8k"
 SPLITS = ("train", "test")
 # verl's GSM8K scorer only accepts "#### <number>" at the end of a response (strict mode), so the prompt
@@ -37,7 +39,7 @@ STAMP = ".gsm8k-source.json"
 _NUMBER = re.compile(r"-?\d+(?:\.\d+)?")
 
 
-class Gsm8kError(ValueError):
+class Gsm8kError(UserError):
     """The raw dataset is missing or not shaped like openai/gsm8k."""
 
 

@@ -29,6 +29,7 @@ from verl_npu.contracts.mindspeed import (
 from verl_npu.contracts.torch_npu import INDEXER_SPARSE_COUNTS
 from verl_npu.dtypes import DtypeError, parse
 from verl_npu.engine.glm5_config import FULL, MODEL_TYPE, SHARED
+from verl_npu.errors import UserError
 
 OTC = "override_transformer_config"
 PLATFORMS = ("ascend", "cuda", "cpu")
@@ -162,7 +163,7 @@ def index_share_kinds(hf_config: Any) -> tuple[str, ...] | None:
     return indexer_types(_attrs(hf_config))
 
 
-class BuildPlanError(ValueError):
+class BuildPlanError(UserError):
     """Invalid engine settings: every violated rule, each naming the keys, the rule and an alternative."""
 
     def __init__(self, problems: list[str]):

@@ -34,6 +34,7 @@ from pathlib import Path, PurePosixPath
 from typing import Any
 
 from verl_npu.envfile import env_file_variables
+from verl_npu.errors import UserError
 from verl_npu.k8s import validate
 from verl_npu.k8s.defaults import (
     DEFAULT_HOST_PATHS,
@@ -81,7 +82,7 @@ _RESOURCE_NAME = re.compile(r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?/[A-Za-z0-9]([-A-Za
 _POSITIVE_INT = re.compile(r"^[1-9][0-9]*$")
 
 
-class RenderError(ValueError):
+class RenderError(UserError):
     """A bad input: the message names the option, file or key, the value, and the fix."""
 
 

@@ -17,6 +17,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from verl_npu.errors import UserError
 from verl_npu.k8s import schemas
 
 # KubeRay appends 6 characters to a RayJob's name for its RayCluster, whose services add up to
@@ -34,7 +35,7 @@ CONFIGMAP_KEY = re.compile(r"^[-._a-zA-Z0-9]+$")
 _NATIVE_RESOURCE = re.compile(r"^([a-z0-9-]+|([a-z0-9.-]*\.)?kubernetes\.io/.+|hugepages-.+)$")
 
 
-class ManifestError(ValueError):
+class ManifestError(UserError):
     """A manifest file cannot be read as Kubernetes documents (not YAML, unknown kind), or the schemas
     cannot be loaded: exit 2."""
 

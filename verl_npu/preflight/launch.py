@@ -15,6 +15,7 @@ from pathlib import Path
 
 from tree_sitter import Node
 
+from verl_npu.errors import UserError
 from verl_npu.preflight.shell import (
     CHAINS,
     NAME,
@@ -34,7 +35,7 @@ TRAINER_MODULE = "verl.trainer.main_ppo"
 _PYTHON = re.compile(r"(?:.*/)?python(?:\d+(?:\.\d+)?)?")
 
 
-class LaunchError(ValueError):
+class LaunchError(UserError):
     """The launch script cannot be read."""
 
 

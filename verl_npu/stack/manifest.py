@@ -14,6 +14,8 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from verl_npu.errors import UserError
+
 MANIFEST_PATH = Path(__file__).with_name("stack.toml")
 REPO_ROOT = Path(__file__).resolve().parents[2]
 SCHEMA_VERSION = 1
@@ -30,7 +32,7 @@ _IMAGE_RE = re.compile(r"^[a-z0-9.-]+(:\d+)?(/[a-z0-9._-]+)+:[A-Za-z0-9._-]+$")
 _SOC_RE = re.compile(r"^ascend[0-9a-z_]+$")
 
 
-class StackError(ValueError):
+class StackError(UserError):
     """The manifest is malformed. The message names the file, the table and the key."""
 
 

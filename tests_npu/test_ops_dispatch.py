@@ -139,6 +139,16 @@ def test_dsa_attention_on_triton_picks_the_kernel_by_key_heads_and_head_dim(monk
         attend(8, 8, 320, 256)
         attend(8, 1, 64, 64, dtype=torch.float64)
     assert calls == ["sparse_attention_mqa_triton", "sparse_attention_triton", "sparse_attention", "sparse_attention"]
+    deterministic = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True)
+    try:  # verl's deterministic mode: the gather kernel's atomics are not repeatable, so portable runs (logged)
+        with caplog.at_level("WARNING", logger="verl_npu.ops.dispatch"):
+            attend(8, 1, 576, 512)
+            attend(8, 8, 256, 256)  # the tiled kernel has no atomics: it stays
+    finally:
+        torch.use_deterministic_algorithms(deterministic)
+    assert calls[4:] == ["sparse_attention", "sparse_attention_triton"]
+    assert "torch.use_deterministic_algorithms(True): the one-key-head Triton kernel's backward" in caplog.text
     assert "head dims 320/256: the tiled Triton kernel is built for head dims up to 256" in caplog.text
     assert "dtypes torch.float64/torch.float64/torch.float64: the Triton kernels take one of bf16" in caplog.text
     monkeypatch.setenv("VERL_NPU_OPS_BACKEND", "triton")

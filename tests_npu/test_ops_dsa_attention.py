@@ -133,3 +133,6 @@ def test_chunks_shrink_with_the_batch_so_one_chunk_stays_within_the_budget():
         assert fused * b * s <= CHUNK_BUDGET_ELEMENTS and math * b * heads * s <= CHUNK_BUDGET_ELEMENTS
     assert _chunk_rows(s, s, 1, heads, topk, CHUNK_BUDGET_ELEMENTS, True) == 2048  # capped by top-k
     assert _chunk_rows(s, s, 8, heads, topk, CHUNK_BUDGET_ELEMENTS, True) == 512
+    # one key head: the mask is repeated per query head (heads folded into rows), so a row costs b * heads * s
+    folded = _chunk_rows(s, s, 1, heads, topk, CHUNK_BUDGET_ELEMENTS, True, kv_heads=1)
+    assert folded * heads * s <= CHUNK_BUDGET_ELEMENTS < (folded + 1) * heads * s

@@ -101,6 +101,17 @@ def run_group(group: str) -> None:
         # 20 heads: two programs per token (fp32 takes blocks of 16 heads), the second one padded
         assert mqa.FP32_CONFIG[0] == 16
         _compare(torch.float32, *make_inputs(29, 1, 20, 40, 32, 24, seed=5), 0.15, view_mode="view_of_key")
+    elif group == "deterministic":
+        q, k, v, idx = make_inputs(9, 1, 4, 16, 16, 4, seed=6)
+        leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+        torch.use_deterministic_algorithms(True)
+        out = mqa.sparse_attention_mqa_triton(*leaves, idx, 0.25)  # the forward has no atomics
+        try:
+            out.sum().backward()
+        except RuntimeError as exc:
+            assert "sparse_attention_mqa_triton backward" in str(exc), exc
+        else:
+            raise AssertionError("the atomic backward ran under torch.use_deterministic_algorithms(True)")
     else:
         raise ValueError(group)
     print("ok")
@@ -124,6 +135,10 @@ def test_forward_and_backward_match_the_masked_dense_formula_at_odd_sizes():
 
 def test_value_as_a_view_of_key_and_aliased_leaves_get_the_right_gradients():
     _run_interpreted("value_views")
+
+
+def test_the_atomic_backward_refuses_by_name_under_deterministic_algorithms():
+    _run_interpreted("deterministic")
 
 
 def test_bad_shapes_and_per_head_keys_are_refused():

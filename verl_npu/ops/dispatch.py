@@ -13,6 +13,10 @@ portable backend, logging why once per reason: the result is the same, only slow
 whose shapes never fit would otherwise stop at its first layer. With ``VERL_NPU_OPS_BACKEND=ascend``
 the refusal is an error instead: the fused kernel was asked for, and quietly running another
 would hide that it never ran (a benchmark would measure the wrong kernel).
+
+Deterministic runs (``torch.use_deterministic_algorithms(True)``): every op gives bitwise-equal
+results on equal inputs. The one-key-head Triton DSA kernel accumulates key gradients with atomics,
+so those inputs run the portable backend (math attention kernel) instead, logged like any fallback.
 """
 
 from __future__ import annotations
@@ -135,6 +139,11 @@ def dsa_sparse_attention(query, key, value, topk_indices, softmax_scale):
         dtypes = {query.dtype, key.dtype, value.dtype}
         if len(dtypes) != 1 or query.dtype not in TRITON_DTYPES:
             reason = f"dtypes {query.dtype}/{key.dtype}/{value.dtype}: the Triton kernels take one of bf16, fp16, fp32"
+        elif key.shape[2] == 1 and torch.are_deterministic_algorithms_enabled():
+            reason = (
+                "torch.use_deterministic_algorithms(True): the one-key-head Triton kernel's backward adds key "
+                "gradients with atomics (not bitwise repeatable); the portable backend is deterministic"
+            )
         elif key.shape[2] == 1:  # one key head shared by every query head (absorbed MLA / MQA): gather kernel
             from verl_npu.ops.dsa_attention_mqa_triton import sparse_attention_mqa_triton
 

@@ -16,25 +16,40 @@ Nothing but q, k, v and the indices is kept for backward: each chunk's attention
 there and differentiated on its own, so peak memory is one chunk's mask and attention buffers,
 O(s * topk), never O(s^2). Runs on NPU, CUDA and CPU; it is the numerical reference for the
 Triton and Ascend backends.
+
+One key head (absorbed MLA / MQA): the query heads are folded into query rows against the single
+key head (q ``[b, 1, np * rows, d]``, the mask repeated per head) instead of expanding key and value
+to every head. An expanded key is a stride-0 head dimension, and PyTorch's memory-efficient CUDA
+kernel returns wrong outputs (errors of 2-4 absolute) for such inputs at key lengths like 257, 513
+and 1025 (seen with torch 2.11.0+cu130 on an H200; the math kernel and contiguous inputs are right).
+
+Deterministic runs (``torch.use_deterministic_algorithms(True)``, verl's deterministic mode): SDPA
+runs its math kernel, whose backward has no atomics, so every call gives bitwise-equal results; the
+chunk budget then counts the fp32 scores that kernel materialises.
 """
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from verl_npu.ops.chunking import DSA_ATTENTION_CHUNK_ELEMENTS
 
 CHUNK_BUDGET_ELEMENTS = DSA_ATTENTION_CHUNK_ELEMENTS
 
 
-def _chunk_rows(sq: int, skv: int, b: int, heads: int, topk: int, budget_elements: int, fused_mask_kernel: bool) -> int:
+def _chunk_rows(sq: int, skv: int, b: int, heads: int, topk: int, budget_elements: int, fused_mask_kernel: bool,
+                kv_heads: int | None = None) -> int:  # fmt: skip
     """Query rows per chunk: at most topk (O(s * topk) memory) and within the element budget.
 
     Where SDPA has a fused kernel that takes a mask (CUDA) a row costs its mask, once per sequence of
     the batch; elsewhere SDPA may materialise fp32 scores for every head too, so ``b * heads * skv``.
+    With one key head the mask is repeated per query head (the fold in ``_chunk_attention``), so a
+    row costs ``b * heads * skv`` there too.
     """
-    per_row = b * skv if fused_mask_kernel else b * heads * skv
+    shared_mask = fused_mask_kernel and (kv_heads is None or kv_heads == heads or heads == 1)
+    per_row = b * skv if shared_mask else b * heads * skv
     return max(1, min(sq, topk, budget_elements // max(per_row, 1)))
 
 
@@ -52,6 +67,13 @@ def _selection_mask(topk_indices: torch.Tensor, rows: slice, skv: int) -> torch.
     return mask[..., :skv] & causal.unsqueeze(0)
 
 
+def _sdpa(q, k, v, mask, scale):
+    if torch.are_deterministic_algorithms_enabled():
+        with sdpa_kernel(SDPBackend.MATH):
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+
+
 def _chunk_attention(q, k, v, mask, scale, heads):
     """Attention of one query chunk. q: [b, np, rows, hn]; k/v: [b, 1 or np, prefix, d]; mask: [b, rows, prefix]."""
     has_key = mask.any(-1)  # [b, rows]
@@ -60,9 +82,14 @@ def _chunk_attention(q, k, v, mask, scale, heads):
         # an all-False row would make the softmax 0/0; give it key 0, then zero its output (and so its gradients)
         mask = mask.clone()
         mask[..., 0] |= ~has_key
-    if k.shape[1] != heads:
-        k, v = k.expand(-1, heads, -1, -1), v.expand(-1, heads, -1, -1)
-    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask.unsqueeze(1), scale=scale)
+    if k.shape[1] == 1 and heads > 1:
+        # fold the heads into rows against the one key head, never expand it (module docstring)
+        b, _, rows, _ = q.shape
+        folded_mask = mask.unsqueeze(1).expand(b, heads, rows, mask.shape[-1]).reshape(b, 1, heads * rows, -1)
+        out = _sdpa(q.reshape(b, 1, heads * rows, q.shape[-1]), k, v, folded_mask, scale)
+        out = out.view(b, heads, rows, v.shape[-1])
+    else:
+        out = _sdpa(q, k, v, mask.unsqueeze(1), scale)
     if not everyone_has_a_key:
         out = out * has_key[:, None, :, None].to(out.dtype)
     return out
@@ -131,8 +158,8 @@ def sparse_attention(
             f"expected [skv, b={b}, {heads} or 1 heads, dim] for both"
         )
     topk = topk_indices.shape[-1]
-    fused = query.device.type == "cuda"
-    chunk = _chunk_rows(sq, skv, b, heads, topk, chunk_budget_elements, fused)
+    fused = query.device.type == "cuda" and not torch.are_deterministic_algorithms_enabled()
+    chunk = _chunk_rows(sq, skv, b, heads, topk, chunk_budget_elements, fused, kv_heads)
     # [s, b, np, d] -> [b, np, s, d] views: SDPA takes strided inputs, so nothing is copied
     q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))
     result = _SparseAttention.apply(q, k, v, topk_indices, float(softmax_scale), chunk)

@@ -57,6 +57,7 @@ from verl_npu.ops.triton_support import (
     check_attention_layout,
     interpreted,
     precision,
+    refuse_if_deterministic,
     unit_last_stride,
 )
 
@@ -317,6 +318,7 @@ class _SparseAttentionMQA(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_out):
+        refuse_if_deterministic("sparse_attention_mqa_triton backward (key/value gradients added with tl.atomic_add)")
         query, key, value, idx, count, result, lse = ctx.saved_tensors
         sq, b, heads, hn = query.shape
         skv, hnv = key.shape[0], value.shape[-1]

@@ -45,3 +45,20 @@ def check_attention_layout(query: torch.Tensor, key: torch.Tensor, value: torch.
     sq, b = query.shape[:2]
     if topk_indices.dim() != 3 or topk_indices.shape[:2] != (b, sq):
         raise ValueError(f"topk_indices {tuple(topk_indices.shape)}: expected [b={b}, sq={sq}, topk]")
+
+
+def refuse_if_deterministic(op: str) -> None:
+    """Under ``torch.use_deterministic_algorithms(True)`` an op that is not bitwise repeatable refuses,
+    naming itself (or warns, with ``warn_only=True``), as PyTorch's own nondeterministic ops do."""
+    if not torch.are_deterministic_algorithms_enabled():
+        return
+    message = (
+        f"{op} is not deterministic, and torch.use_deterministic_algorithms(True) is set; "
+        "call it through verl_npu.ops.dispatch, which runs a deterministic backend in that mode"
+    )
+    if torch.is_deterministic_algorithms_warn_only_enabled():
+        import warnings
+
+        warnings.warn(message, UserWarning, stacklevel=3)
+        return
+    raise RuntimeError(message)

@@ -1,10 +1,12 @@
-"""`verl-npu versions`: the manifest as a table and as JSON."""
+"""`verl-npu versions` (the manifest as a table and as JSON), and how every command reports a failure."""
 
 from __future__ import annotations
 
 import json
 import subprocess
 import sys
+
+import pytest
 
 from verl_npu.stack import load_stack
 
@@ -66,3 +68,43 @@ def test_contracts_verify_refuses_an_unknown_component_by_name():
     done = verl_npu("contracts", "verify", "--component", "mindspeed", "--component", "megatron")
     assert done.returncode == 2
     assert "--component megatron: expected one of mindspeed, vllm-ascend, torch-npu, vllm" in done.stderr
+
+
+def _fail_with(monkeypatch, exc: BaseException):
+    from verl_npu import cli
+
+    def broken(args):
+        raise exc
+
+    monkeypatch.setattr(cli, "cmd_versions", broken)
+    return cli
+
+
+def test_an_expected_failure_is_one_line_and_exit_2(monkeypatch, capsys):
+    from verl_npu.inputs import InputError
+
+    cli = _fail_with(monkeypatch, InputError("trainer.nnodes", -1, "an integer >= 1", source="launch.sh"))
+    assert cli.main(["versions"]) == cli.EXIT_USAGE == 2
+    err = capsys.readouterr().err
+    assert err == "verl-npu versions: launch.sh: trainer.nnodes=-1: expected an integer >= 1\n"
+
+
+def test_an_unreadable_file_is_exit_2_naming_it(monkeypatch, capsys):
+    cli = _fail_with(monkeypatch, FileNotFoundError(2, "No such file or directory", "/nowhere/baseline.json"))
+    assert cli.main(["versions"]) == 2
+    assert "/nowhere/baseline.json" in capsys.readouterr().err
+
+
+def test_a_bug_is_a_short_message_exit_3_and_the_traceback_only_with_debug(monkeypatch, capsys):
+    cli = _fail_with(monkeypatch, KeyError("megatron"))
+    assert cli.main(["versions"]) == cli.EXIT_INTERNAL == 3
+    err = capsys.readouterr().err
+    assert "internal error: KeyError: 'megatron'" in err and "--debug" in err and "Traceback" not in err
+    with pytest.raises(KeyError, match="megatron"):  # --debug lets it through, wherever it is on the line
+        cli.main(["versions", "--debug"])
+
+
+def test_debug_is_accepted_before_the_command_too(monkeypatch):
+    cli = _fail_with(monkeypatch, ZeroDivisionError("division by zero"))
+    with pytest.raises(ZeroDivisionError):
+        cli.main(["--debug", "versions"])

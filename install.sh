@@ -88,9 +88,25 @@ fi
 
 STEP="detect target"
 # One detector for install.sh, doctor and the runtime (verl_npu/stack/detect.py, standard library only).
+# npu-smi is bounded inside (30 s, $VERL_NPU_PROBE_TIMEOUT_S); `timeout` bounds the whole detection as well, for
+# a driver call that not even a killed process returns from.
+DETECT_TIMEOUT_S="${VERL_NPU_DETECT_TIMEOUT_S:-120}"
+[[ "$DETECT_TIMEOUT_S" =~ ^[1-9][0-9]{0,4}$ ]] ||
+  die "VERL_NPU_DETECT_TIMEOUT_S='$DETECT_TIMEOUT_S' is not a whole number of seconds from 1 to 99999"
 if [[ -z "$TARGET" ]]; then
-  TARGET="$(cd "$REPO_ROOT" && "$BASE_PYTHON" -m verl_npu.stack detect-target)" ||
+  BOUND=()
+  if command -v timeout >/dev/null 2>&1; then
+    BOUND=(timeout -k 10 "$DETECT_TIMEOUT_S")
+  else
+    warn "no 'timeout' command (coreutils): the target detection is bounded only by npu-smi's own 30 s limit"
+  fi
+  detect_status=0
+  TARGET="$(cd "$REPO_ROOT" && "${BOUND[@]}" "$BASE_PYTHON" -m verl_npu.stack detect-target)" || detect_status=$?
+  if [[ "$detect_status" == 124 || "$detect_status" == 137 ]]; then
+    die "the target detection (npu-smi info) did not finish within ${DETECT_TIMEOUT_S} s and was stopped: the NPU driver does not answer (check 'npu-smi info' and dmesg); pass --target (one of: $VALID_TARGETS)"
+  elif [[ "$detect_status" != 0 ]]; then
     die "the target could not be detected (message above); pass --target (one of: $VALID_TARGETS)"
+  fi
   log "no --target given; detected target: $TARGET"
 fi
 if [[ -z "$PREFIX" ]]; then

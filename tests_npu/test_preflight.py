@@ -511,7 +511,7 @@ def test_a_repeated_check_reuses_the_cached_answer_until_the_model_config_change
     from verl_npu.preflight import config_check
 
     started = []
-    monkeypatch.setattr(worker.subprocess, "Popen", lambda *a, **k: started.append(a) or pytest.fail("worker ran"))
+    monkeypatch.setattr(worker.processes, "start", lambda *a, **k: started.append(a) or pytest.fail("worker ran"))
     monkeypatch.setattr(config_check, "_compose", lambda *a: pytest.fail("a cached answer composed again"))
     second = run_preflight(LAUNCH, model_config=str(tmp_path / "glm"))
     assert second.to_dict() == first.to_dict() and not started

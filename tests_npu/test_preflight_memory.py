@@ -107,9 +107,9 @@ def test_config_from_a_path_and_offline_model_ids(tmp_path):
 
 def test_unknown_model_type_names_the_missing_key():
     cfg = {"model_type": "mystery", "vocab_size": 10, "hidden_size": 8, "num_hidden_layers": 2}
-    with pytest.raises(ValueError, match="'num_attention_heads'"):
+    with pytest.raises(ValueError, match=r"num_attention_heads=None: expected a value \(it is missing\)"):
         ModelShape.from_dict(cfg)
-    with pytest.raises(ValueError, match="'moe_intermediate_size'"):
+    with pytest.raises(ValueError, match="moe_intermediate_size=None: expected a value"):
         ModelShape.from_dict({**cfg, "num_attention_heads": 2, "intermediate_size": 16, "num_experts": 4})
     shape = ModelShape.from_dict({**cfg, "num_attention_heads": 2, "intermediate_size": 16})
     assert shape.total_params() == 10 * 8 * 2 + 2 * (4 * 8 * 8 + 3 * 8 * 16 + 2 * 8) + 8
@@ -219,11 +219,13 @@ def launch_estimate(optim: dict, platform: str = "ascend", **megatron):
     from verl_npu.preflight.memory_plan import estimate_launch
     from verl_npu.preflight.mesh import TrainMesh
     from verl_npu.preflight.pipeline import target
+    from verl_npu.preflight.values import read_launch
 
     megatron = {"vanilla_mbridge": True, **megatron}
     config = {
         "actor_rollout_ref": {
             "actor": {
+                "strategy": "megatron",
                 "megatron": megatron,
                 "optim": optim,
                 "ppo_micro_batch_size_per_gpu": 1,
@@ -231,12 +233,14 @@ def launch_estimate(optim: dict, platform: str = "ascend", **megatron):
             },
             "rollout": {"n": 1, "gpu_memory_utilization": 0.5},
         },
-        "data": {"max_prompt_length": 64, "max_response_length": 64},
-        "trainer": {"n_gpus_per_node": 8},
+        "data": {"train_batch_size": 2, "max_prompt_length": 64, "max_response_length": 64},
+        "trainer": {"nnodes": 1, "n_gpus_per_node": 8},
     }
+    values, checks = read_launch(config)  # the typed view preflight's steps read
+    assert values is not None, checks
     mesh = TrainMesh("actor", 1, 1, 1, 1, 1, 1, False, None, None, None)
     plan = build_plan(megatron, optim, {"rms_norm_eps": 1e-6}, platform)
-    return estimate_launch(config, DENSE, mesh, plan, target("a3", platform))[0]
+    return estimate_launch(values, DENSE, mesh, plan, target("a3", platform))[0]
 
 
 def test_a_launch_estimate_counts_host_ram_on_its_platform():

@@ -134,7 +134,13 @@ def cmd_patches(args: argparse.Namespace) -> int:
 def cmd_preflight(args: argparse.Namespace) -> int:
     from verl_npu.preflight import run_preflight
     from verl_npu.preflight.launch import LaunchError
-    from verl_npu.preflight.report import plot, print_report, write_json
+    from verl_npu.preflight.pipeline import host_memory
+    from verl_npu.preflight.report import output_path, plot, print_report, write_json
+
+    # the options first, before any work: a bad one is exit 2 with nothing written
+    host_memory_gib = host_memory(args.host_memory_gib)
+    json_path = output_path("--json", args.json) if args.json not in (None, "-") else None
+    plot_path = output_path("--plot", args.plot, plot=True) if args.plot is not None else None
 
     env = {}
     for item in args.env or []:
@@ -157,7 +163,7 @@ def cmd_preflight(args: argparse.Namespace) -> int:
             env=env,
             chip=args.chip,
             model_config=args.model_config,
-            host_memory_gib=args.host_memory_gib,
+            host_memory_gib=host_memory_gib,
             use_cache=not args.no_cache,
         )
     except (LaunchError, ValueError) as exc:
@@ -167,19 +173,25 @@ def cmd_preflight(args: argparse.Namespace) -> int:
         print(json.dumps(report.to_dict(), indent=2, default=str))
     else:
         print_report(report, _console())
-        if args.json:
-            write_json(report, Path(args.json))
-    if args.plot:
+        if json_path is not None:
+            write_json(report, json_path)
+    if plot_path is not None:
         try:
-            plot(report, Path(args.plot))
+            plot(report, plot_path)
         except ValueError as exc:
             print(f"verl-npu preflight: --plot: {exc}", file=sys.stderr)
     return 0 if report.verdict == "go" else 1
 
 
 def cmd_ci_compare(args: argparse.Namespace) -> int:
+    from verl_npu import atomic
     from verl_npu.ci import compare as cmp
 
+    if args.json and not args.update:  # checked before any work: a gate must not lose its report at the end
+        why = atomic.writable_directory(args.json)
+        if why is not None:
+            print(f"verl-npu ci compare: --json {args.json}: {why}", file=sys.stderr)
+            return 2
     try:
         if args.update:
             data = cmp.update_baseline(args.log, args.baseline, image=args.image, commit=args.commit)
@@ -188,17 +200,22 @@ def cmd_ci_compare(args: argparse.Namespace) -> int:
             return 0
         baseline = cmp.read_baseline(args.baseline)
         rows = cmp.compare(args.log, baseline)
-    except cmp.CompareError as exc:
-        print(f"verl-npu ci compare: {exc}", file=sys.stderr)
+    except UserError as exc:  # CompareError, and InputError from the values it parses
+        print(f"verl-npu ci compare: {_one_line(exc)}", file=sys.stderr)
         return 2
     first, last = baseline.window
     _console().print(cmp.table(rows, f"{baseline.job}: {args.log} vs {args.baseline} (steps {first}-{last})"))
     regressions = [r for r in rows if r.verdict != "ok"]
     if args.json:
-        Path(args.json).write_text(json.dumps({
+        report = json.dumps({
             "job": baseline.job, "log": str(args.log), "baseline": str(args.baseline), "window": baseline.window,
             "rows": [dataclasses.asdict(r) for r in rows], "regressions": len(regressions),
-        }, indent=2) + "\n")  # fmt: skip
+        }, indent=2, allow_nan=False) + "\n"  # fmt: skip
+        try:
+            atomic.write_text(args.json, report)  # whole or not at all
+        except OSError as exc:
+            print(f"verl-npu ci compare: --json {args.json}: cannot write it ({exc.strerror or exc})", file=sys.stderr)
+            return 2
     return 1 if regressions else 0
 
 
@@ -346,7 +363,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--env", action="append", metavar="NAME=VALUE", help="environment the script starts with")
     p.add_argument("--chip", choices=("a2", "a3"), default="a3", help="device memory per NPU from the manifest")
     p.add_argument("--model-config", metavar="PATH|ID|glm5", help="HF config.json, model dir, cached id, or glm5")
-    p.add_argument("--host-memory-gib", type=float, metavar="GIB", help="host RAM per node to check against")
+    p.add_argument("--host-memory-gib", metavar="GIB", help="host RAM per node to check against (> 0)")
     p.add_argument("--json", metavar="FILE", help="also write the report as JSON ('-': JSON on stdout only)")
     p.add_argument("--plot", metavar="FILE.png", help="stacked HBM bar per pipeline stage")
     p.add_argument("--no-cache", action="store_true", help="recompute verl's validation and the model config")

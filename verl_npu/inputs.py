@@ -52,13 +52,20 @@ def _show(value: object) -> str:
     return text if len(text) <= 80 else text[:77] + "..."
 
 
+def _bound(value: float) -> str:
+    """A bound as a person writes it: 4096 and 1048576 exactly (not 4.096e+03), 0.5 as 0.5."""
+    if isinstance(value, int) or (math.isfinite(value) and value.is_integer() and abs(value) < 1e16):
+        return str(int(value))
+    return f"{value:g}"
+
+
 def _range(minimum: float | None, maximum: float | None) -> str:
     if minimum is not None and maximum is not None:
-        return f"from {minimum:g} to {maximum:g}"
+        return f"from {_bound(minimum)} to {_bound(maximum)}"
     if minimum is not None:
-        return f">= {minimum:g}"
+        return f">= {_bound(minimum)}"
     if maximum is not None:
-        return f"<= {maximum:g}"
+        return f"<= {_bound(maximum)}"
     return ""
 
 
@@ -80,22 +87,26 @@ def integer(key: str, value: Any, *, minimum: int | None = None, maximum: int | 
 def number(key: str, value: Any, *, minimum: float | None = None, maximum: float | None = None,
            above: float | None = None, source: str | None = None) -> float:  # fmt: skip
     """A finite real number in range (``above``: strictly greater than); decimal text is accepted."""
-    bounds = [b for b in (f"> {above:g}" if above is not None else "", _range(minimum, maximum)) if b]
-    allowed = " and ".join(["a finite number", *bounds]) if bounds else "a finite number"
+    bounds = [b for b in (f"> {_bound(above)}" if above is not None else "", _range(minimum, maximum)) if b]
+    allowed = " ".join(["a finite number", " and ".join(bounds)]) if bounds else "a finite number"
+    given = value  # the message shows what was given ('0'), not its conversion (0.0)
     if isinstance(value, bool):
-        raise InputError(key, value, allowed, source=source)
+        raise InputError(key, given, allowed, source=source)
     if isinstance(value, str) and _NUMBER.fullmatch(value.strip()) and len(value) <= 40:
         value = float(value.strip())
     if not isinstance(value, (int, float)):
-        raise InputError(key, value, allowed, source=source)
-    value = float(value)
+        raise InputError(key, given, allowed, source=source)
+    try:
+        value = float(value)
+    except OverflowError:  # an integer beyond any float
+        raise InputError(key, given, allowed, source=source) from None
     if (
         not math.isfinite(value)
         or (minimum is not None and value < minimum)
         or (maximum is not None and value > maximum)
         or (above is not None and value <= above)
     ):
-        raise InputError(key, value, allowed, source=source)
+        raise InputError(key, given, allowed, source=source)
     return value
 
 

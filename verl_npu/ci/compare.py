@@ -10,6 +10,11 @@ baseline's limit for that metric:
 - ``absolute``: ``max_increase`` / ``max_decrease`` / ``tolerance`` in the metric's unit
   (memory +1 GB, reward mean +-0.05);
 - ``relative``: the same as fractions of the baseline value (throughput -5%, step time +5%).
+
+The gate fails closed: a baseline value or limit that is not a finite number in range, a window with
+a NaN or infinite value, or a metric missing from any step of the window is an error (exit 2), never
+"ok". The baseline's structure is parsed through verl_npu.inputs; ``--update`` writes it atomically
+(a temporary file beside it, fsync, rename) and refuses a value that is not finite.
 """
 
 from __future__ import annotations
@@ -22,9 +27,11 @@ import re
 from pathlib import Path
 from typing import Any
 
+from verl_npu import atomic, inputs
 from verl_npu.checks import FAIL, OK, Check, Column, status_markup
 from verl_npu.checks import table as checks_table
 from verl_npu.errors import UserError
+from verl_npu.inputs import InputError
 
 _CONSOLE = re.compile(r"(?:^|\s)step:(\d+) - (.*)$")
 _NUMPY_SCALAR = re.compile(r"^np\.\w+\((.*)\)$")
@@ -40,6 +47,14 @@ DEFAULT_LIMITS = {
     "training/rollout_probs_diff_mean": ("relative", "max_increase", 0.05),
 }
 DEFAULT_WINDOW = (5, 14)
+
+# Bounds no real job comes near; they keep every bound and mean finite and every loop short.
+MAX_STEP = 10_000_000
+MAX_WINDOW = 100_000  # steps in one window
+MAX_METRICS = 1_000
+MAX_VALUE = 1e15  # |a baseline value|, and an absolute limit
+MAX_RELATIVE = 100.0  # a relative limit: 10000% of the baseline value
+MAX_NAME = 200  # a metric or job name
 
 
 class CompareError(UserError):
@@ -57,11 +72,26 @@ def _number(text: str) -> float:
     return float(text)
 
 
+def _as_float(value: int | float) -> float:
+    try:
+        return float(value)
+    except OverflowError:  # an integer beyond a double: not a finite measurement
+        return math.inf if value > 0 else -math.inf
+
+
+def _step(path: Path, number: int, value: Any) -> int:
+    try:
+        return inputs.integer("step", value, minimum=0, maximum=MAX_STEP, source=f"{path}:{number}")
+    except InputError as exc:
+        raise CompareError(str(exc)) from None
+
+
 def _console_line(path: Path, number: int, line: str, last: bool) -> tuple[int, dict[str, float]] | None:
     match = _CONSOLE.search(line)
     if not match:
         return None
-    step, metrics = int(match.group(1)), {}
+    digits = match.group(1)
+    step, metrics = _step(path, number, digits if len(digits) <= 40 else digits[:40] + "..."), {}
     for item in match.group(2).split(" - "):
         key, sep, value = item.rpartition(":")
         try:
@@ -79,19 +109,23 @@ def read_log(path: str | Path) -> dict[int, dict[str, float]]:
     path = Path(path)
     if not path.is_file():
         raise CompareError(f"{path}: no such log file")
-    lines = path.read_text(errors="replace").splitlines()
+    try:
+        lines = path.read_text(errors="replace").splitlines()
+    except OSError as exc:
+        raise CompareError(f"{path}: cannot read the log ({exc.strerror or exc})") from None
     steps: dict[int, dict[str, float]] = {}
     for number, line in enumerate(lines, start=1):
         last = number == len(lines)
         if line.lstrip().startswith("{"):
             try:
                 record = json.loads(line)
-            except json.JSONDecodeError:
+            except (json.JSONDecodeError, RecursionError):
                 what = "truncated (the last line ends mid-record)" if last else "malformed JSON"
                 raise CompareError(f"{path}:{number}: {what}") from None
             if not isinstance(record, dict) or "step" not in record or not isinstance(record.get("data"), dict):
                 raise CompareError(f'{path}:{number}: a JSON line must be {{"step": N, "data": {{...}}}}')
-            entry = (int(record["step"]), {k: float(v) for k, v in record["data"].items() if _is_number(v)})
+            step = _step(path, number, record["step"])
+            entry = (step, {k: _as_float(v) for k, v in record["data"].items() if _is_number(v)})
         else:
             entry = _console_line(path, number, line, last)
             if entry is None:
@@ -120,14 +154,23 @@ def window_average(steps: dict[int, dict[str, float]], metric: str, window: tupl
             f"{log}: the window needs steps {first}-{last} and the log has {have} (missing "
             f"{[s for s in wanted if s not in steps][:5]}...); run at least {last} steps"
         )
-    values = [steps[s][metric] for s in wanted if metric in steps[s]]
-    if len(values) < len(wanted):
-        lacking = [s for s in wanted if metric not in steps[s]]
-        raise CompareError(f"{log}: metric {metric!r} is missing at steps {lacking} of the window {first}-{last}")
-    finite = [v for v in values if math.isfinite(v)]
-    if len(finite) < len(values):
-        raise CompareError(f"{log}: metric {metric!r} is nan/inf at some steps of the window {first}-{last}")
-    return sum(finite) / len(finite)
+    lacking = [s for s in wanted if metric not in steps[s]]
+    if lacking:
+        raise CompareError(
+            f"{log}: metric {metric!r} is missing at steps {lacking[:10]} of the window {first}-{last} "
+            "(a gate does not pass on what it did not measure)"
+        )
+    values = [steps[s][metric] for s in wanted]
+    bad = [s for s, v in zip(wanted, values, strict=True) if not math.isfinite(v)]
+    if bad:
+        raise CompareError(
+            f"{log}: metric {metric!r} is nan/inf at steps {bad[:10]} of the window {first}-{last} "
+            "(a gate does not pass on a value that is not a number)"
+        )
+    mean = sum(v / len(values) for v in values)  # divided first: a sum of large finite values may overflow
+    if not math.isfinite(mean):
+        raise CompareError(f"{log}: metric {metric!r} has no finite mean over the window {first}-{last}")
+    return mean
 
 
 # --- the baseline ----------------------------------------------------------------------------------
@@ -160,17 +203,37 @@ class Limit:
         return " / ".join(parts)
 
 
+def _json_number(key: str, value: Any, *, minimum: float, maximum: float, source: str) -> float:
+    """A JSON number (not text that reads as one: a baseline's values are numbers) that is finite and in range."""
+    if isinstance(value, str):
+        raise InputError(key, value, "a JSON number, not a string", source=source)
+    if isinstance(value, int) and not isinstance(value, bool) and abs(value) > maximum:  # also beyond a double
+        raise InputError(key, value, f"a finite number from {minimum:g} to {maximum:g}", source=source)
+    return inputs.number(key, value, minimum=minimum, maximum=maximum, source=source)
+
+
+def _json_integer(key: str, value: Any, *, minimum: int, maximum: int, source: str) -> int:
+    if isinstance(value, str):
+        raise InputError(key, value, "a JSON integer, not a string", source=source)
+    return inputs.integer(key, value, minimum=minimum, maximum=maximum, source=source)
+
+
 def _limit(path: Path, metric: str, data: Any) -> Limit:
     where = f"{path}: metrics.{metric}.limit"
     if not isinstance(data, dict) or data.get("kind") not in LIMIT_KINDS:
         raise CompareError(f"{where}: needs kind = {' or '.join(LIMIT_KINDS)}")
     unknown = set(data) - {"kind", *LIMIT_KEYS}
     if unknown:
-        raise CompareError(f"{where}: unknown keys {sorted(unknown)} (allowed: kind, {', '.join(LIMIT_KEYS)})")
-    amounts = {k: data[k] for k in LIMIT_KEYS if k in data}
-    if not amounts or any(not _is_number(v) or v < 0 for v in amounts.values()):
+        raise CompareError(f"{where}: unknown keys {sorted(unknown)[:10]} (allowed: kind, {', '.join(LIMIT_KEYS)})")
+    present = [k for k in LIMIT_KEYS if k in data]
+    if not present:
         raise CompareError(f"{where}: give one or more of {', '.join(LIMIT_KEYS)} as non-negative numbers")
-    return Limit(kind=data["kind"], **{k: float(v) for k, v in amounts.items()})
+    most = MAX_RELATIVE if data["kind"] == "relative" else MAX_VALUE
+    amounts = {
+        k: _json_number(f"metrics.{metric}.limit.{k}", data[k], minimum=0.0, maximum=most, source=str(path))
+        for k in present
+    }
+    return Limit(kind=data["kind"], **amounts)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -185,34 +248,64 @@ class Baseline:
 
 
 def read_baseline(path: str | Path) -> Baseline:
+    """The baseline at ``path``, every field parsed and range-checked; CompareError names the file and field."""
     path = Path(path)
     try:
-        data = json.loads(path.read_text())
+        text = path.read_bytes().decode("utf-8")
     except FileNotFoundError:
         raise CompareError(f"{path}: no such baseline file") from None
+    except OSError as exc:
+        raise CompareError(f"{path}: cannot read the baseline ({exc.strerror or exc})") from None
+    except UnicodeDecodeError as exc:
+        raise CompareError(f"{path}: not UTF-8 text (byte {exc.start}: {exc.reason})") from None
+    try:
+        data = json.loads(text)
     except json.JSONDecodeError as exc:
         raise CompareError(f"{path}: not valid JSON ({exc})") from None
+    except RecursionError:
+        raise CompareError(f"{path}: not valid JSON (nested too deeply)") from None
+    try:
+        return parse_baseline(path, data)
+    except InputError as exc:
+        raise CompareError(str(exc)) from None
+
+
+def parse_baseline(path: Path, data: Any) -> Baseline:
+    """A baseline from its parsed JSON (raises CompareError or InputError naming ``path`` and the field)."""
+    source = str(path)
+    if not isinstance(data, dict):
+        raise CompareError(f"{path}: a baseline is a JSON object with job, window and metrics")
     for key in ("job", "window", "metrics"):
         if key not in data:
             raise CompareError(f"{path}: missing top-level key {key!r}")
+    job = inputs.text("job", data["job"], max_length=MAX_NAME, source=source)
     window = data["window"]
-    if not (isinstance(window, dict) and _is_number(window.get("first_step")) and _is_number(window.get("last_step"))):
+    if not isinstance(window, dict) or "first_step" not in window or "last_step" not in window:
         raise CompareError(f"{path}: window must be {{'first_step': N, 'last_step': M}}")
-    first, last = int(window["first_step"]), int(window["last_step"])
-    if not 0 < first <= last:
-        raise CompareError(f"{path}: window first_step {first} .. last_step {last} is empty")
-    values, limits = {}, {}
-    if not isinstance(data["metrics"], dict) or not data["metrics"]:
+    first = _json_integer("window.first_step", window["first_step"], minimum=1, maximum=MAX_STEP, source=source)
+    last = _json_integer("window.last_step", window["last_step"], minimum=first,
+                          maximum=min(MAX_STEP, first + MAX_WINDOW - 1), source=source)  # fmt: skip
+    metrics = data["metrics"]
+    if not isinstance(metrics, dict) or not metrics:
         raise CompareError(f"{path}: metrics must be a non-empty mapping of metric name -> {{value, limit}}")
-    for metric, entry in data["metrics"].items():
+    if len(metrics) > MAX_METRICS:
+        raise CompareError(f"{path}: metrics has {len(metrics)} entries (at most {MAX_METRICS})")
+    values, limits = {}, {}
+    for metric, entry in metrics.items():
+        inputs.text("metrics (a metric name)", metric, max_length=MAX_NAME, source=source)
         if not isinstance(entry, dict) or "limit" not in entry or "value" not in entry:
             raise CompareError(f"{path}: metrics.{metric} needs 'value' (null until taken) and 'limit'")
         value = entry["value"]
-        if value is not None and not _is_number(value):
-            raise CompareError(f"{path}: metrics.{metric}.value must be a number or null, found {value!r}")
-        values[metric] = None if value is None else float(value)
+        if value is not None:
+            value = _json_number(f"metrics.{metric}.value", value, minimum=-MAX_VALUE, maximum=MAX_VALUE,
+                                 source=source)  # fmt: skip
+        values[metric] = value
         limits[metric] = _limit(path, metric, entry["limit"])
-    return Baseline(path, str(data["job"]), (first, last), values, limits, data.get("image"), data.get("commit"))
+    image, commit = (
+        None if data.get(k) is None else inputs.text(k, data[k], max_length=400, source=source)
+        for k in ("image", "commit")
+    )
+    return Baseline(path, job, (first, last), values, limits, image, commit)
 
 
 # --- comparing -----------------------------------------------------------------------------------
@@ -251,8 +344,13 @@ COLUMNS = (
 
 
 def table(rows: list[Row], title: str):
-    """The comparison as the shared check table, one row per metric (``verl-npu ci compare`` prints it)."""
-    return checks_table(rows, title, COLUMNS)
+    """The comparison as the shared check table, one row per metric (``verl-npu ci compare`` prints it).
+
+    Metric names and the title come from files: they are shown as text, never read as rich markup.
+    """
+    from rich.markup import escape
+
+    return checks_table(rows, escape(title), COLUMNS, escape=True)
 
 
 def compare(log: str | Path, baseline: Baseline) -> list[Row]:
@@ -276,11 +374,17 @@ def compare(log: str | Path, baseline: Baseline) -> list[Row]:
 
 
 def update_baseline(log: str | Path, baseline_path: str | Path, *, image: str | None, commit: str | None) -> dict:
-    """Take every metric's windowed average from ``log`` into the baseline (limits and window are kept)."""
+    """Take every metric's windowed average from ``log`` into the baseline (limits and window are kept).
+
+    Refuses a value the baseline could not hold (not finite, out of range); writes the file whole or not at all.
+    """
     path = Path(baseline_path)
-    if path.is_file():
+    why = atomic.writable_directory(path)
+    if why is not None:
+        raise CompareError(f"{path}: cannot write the baseline: {why}")
+    if path.exists():
         current = read_baseline(path)
-        data = json.loads(path.read_text())
+        data = json.loads(path.read_text(encoding="utf-8"))
         window, metrics = current.window, list(current.values)
     else:
         data = {"job": path.stem, "metrics": {}}
@@ -292,7 +396,18 @@ def update_baseline(log: str | Path, baseline_path: str | Path, *, image: str | 
         if "limit" not in entry:
             kind, key, amount = DEFAULT_LIMITS[metric]
             entry["limit"] = {"kind": kind, key: amount}
-        entry["value"] = round(window_average(steps, metric, window, str(log)), 6)
+        mean = round(window_average(steps, metric, window, str(log)), 6)
+        entry["value"] = inputs.number(f"metrics.{metric}.value", mean, minimum=-MAX_VALUE, maximum=MAX_VALUE,
+                                       source=f"{log} (its window mean, not written to {path})")  # fmt: skip
     data.update(image=image, commit=commit, taken=datetime.date.today().isoformat(), source_log=Path(log).name)
-    path.write_text(json.dumps(data, indent=2) + "\n")
+    text = json.dumps(data, indent=2, allow_nan=False) + "\n"
+    try:
+        parse_baseline(path, json.loads(text))  # what is written reads back as a baseline, or nothing is written
+    except InputError as exc:
+        raise CompareError(f"{exc} (refusing to write {path})") from None
+    try:
+        atomic.write_text(path, text)
+    except OSError as exc:
+        why = exc.strerror or exc
+        raise CompareError(f"{path}: cannot write the baseline ({why}); the old file is intact") from None
     return data

@@ -29,13 +29,12 @@ import ipaddress
 import os
 import re
 import shutil
-import signal
 import socket
-import subprocess
 import sys
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
+from verl_npu import processes
 from verl_npu.doctor import FAIL, OK, WARN, Finding
 
 # TP_SOCKET_IFNAME: TensorPipe (torch.distributed.rpc) reads it; set with the others so that nothing
@@ -74,29 +73,17 @@ class CommandResult:
 
 
 def run_command(argv: Sequence[str], timeout: float = COMMAND_TIMEOUT_S) -> CommandResult | None:
-    """Run a tool; None when it is not there or cannot be executed."""
+    """Run a tool; None when it is not there or cannot be executed.
+
+    On a timeout its whole process group is ended (verl_npu.processes): a child holding the pipes would block us.
+    """
     try:
-        # its own session: on a timeout the whole group goes, or a child holding the pipes would block us
-        proc = subprocess.Popen(list(argv), stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
+        done = processes.run(argv, timeout=timeout)
     except (FileNotFoundError, PermissionError):
         return None
     except OSError as exc:  # e.g. a file with the tool's name that is not an executable (ENOEXEC)
         return CommandResult(126, f"{argv[0]}: {exc.strerror or exc}")
-    with proc:
-        try:
-            out, err = proc.communicate(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(proc.pid, signal.SIGKILL)
-            out, err = proc.communicate()
-            return CommandResult(None, _decode(out) + _decode(err))
-    return CommandResult(proc.returncode, _decode(out) + _decode(err))
-
-
-def _decode(data: bytes | str | None) -> str:
-    if data is None:
-        return ""
-    return data if isinstance(data, str) else data.decode("utf-8", errors="replace")
+    return CommandResult(None if done.timed_out else done.returncode, str(done.stdout) + str(done.stderr))
 
 
 def _excerpt(text: str, limit: int = 120) -> str:

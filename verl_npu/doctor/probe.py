@@ -21,7 +21,7 @@ from typing import Any
 
 from verl_npu.checks import Check as Finding
 from verl_npu.stack import build_manifest
-from verl_npu.stack.detect import run_command
+from verl_npu.stack.detect import CommandFailed, run_command
 
 
 def _canonical(name: str) -> str:
@@ -49,7 +49,8 @@ class Probe:
 
     env: Mapping[str, str]
     sys_path: Sequence[str]
-    run: Callable[[Sequence[str]], str | None] = run_command
+    # stdout of a command, None when it is not on PATH, or how it failed (verl_npu.stack.detect.run_command)
+    run: Callable[[Sequence[str]], str | CommandFailed | None] = run_command
     shm_path: Path = Path("/dev/shm")
     mem_total_bytes: int | None = None
     rlimits: Mapping[str, tuple[int, int]] = dataclasses.field(default_factory=dict)

@@ -22,6 +22,7 @@ from typing import Any
 
 from verl_npu import __version__, checks, doctor
 from verl_npu.stack import Stack, build_manifest
+from verl_npu.stack.detect import CommandFailed
 
 ENV_PREFIXES = ("HCCL_", "ASCEND_", "VERL_", "RAY_")
 # A variable whose name contains one of these words never shows its value.
@@ -102,7 +103,7 @@ def stack_sha(stack: Stack) -> str:
     return hashlib.sha256(stack.path.read_bytes()).hexdigest()
 
 
-def _ascend_versions(w: _Writer, probe: doctor.Probe) -> str | None:
+def _ascend_versions(w: _Writer, probe: doctor.Probe) -> str | CommandFailed | None:
     w.section("CANN, driver and firmware")
     home = probe.env.get("ASCEND_TOOLKIT_HOME") or probe.env.get("ASCEND_HOME_PATH")
     rows = []
@@ -125,7 +126,7 @@ def _ascend_versions(w: _Writer, probe: doctor.Probe) -> str | None:
         else:
             w.not_read(f"{item} version", f"{path} is missing or has no Version= line")
     npu_smi = probe.run(["npu-smi", "info"])
-    if npu_smi is not None:
+    if isinstance(npu_smi, str):
         match = NPU_SMI_VERSION.search(npu_smi)
         if match:
             rows.append(("npu-smi", match.group(1), "`npu-smi info`"))
@@ -134,8 +135,12 @@ def _ascend_versions(w: _Writer, probe: doctor.Probe) -> str | None:
     return npu_smi
 
 
-def _npus(w: _Writer, probe: doctor.Probe, plat: doctor.Platform, npu_smi: str | None) -> None:
+def _npus(w: _Writer, probe: doctor.Probe, plat: doctor.Platform, npu_smi: str | CommandFailed | None) -> None:
     w.section("NPUs")
+    if isinstance(npu_smi, CommandFailed):
+        w.not_read("NPU count and health", npu_smi.describe())
+        w.add("", f"Platform: {plat.detail}.")
+        return
     if npu_smi is None:
         where = probe.which("npu-smi")
         why = "npu-smi is not on PATH" if where is None else f"`{where} info` failed, timed out or printed nothing"

@@ -21,7 +21,7 @@ One key head (absorbed MLA / MQA): the query heads are folded into query rows ag
 key head (q ``[b, 1, np * rows, d]``, the mask repeated per head) instead of expanding key and value
 to every head. An expanded key is a stride-0 head dimension, and PyTorch's memory-efficient CUDA
 kernel returns wrong outputs (errors of 2-4 absolute) for such inputs at key lengths like 257, 513
-and 1025 (seen with torch 2.11.0+cu130 on an H200; the math kernel and contiguous inputs are right).
+and 1025 (seen with PyTorch 2.11.0+cu130 on an nvidia-h200; the math kernel and contiguous inputs are right).
 
 Deterministic runs (``torch.use_deterministic_algorithms(True)``, verl's deterministic mode): SDPA
 runs its math kernel, whose backward has no atomics, so every call gives bitwise-equal results; the

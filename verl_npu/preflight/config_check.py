@@ -10,6 +10,7 @@ for keys verl removed, and every bad override reported at once instead of the fi
 
 from __future__ import annotations
 
+import dataclasses
 import difflib
 import importlib.util
 import os
@@ -21,6 +22,8 @@ from pathlib import Path
 from typing import Any
 
 from verl_npu.checks import FAIL, OK, WARN, Check, failed
+from verl_npu.errors import UserError
+from verl_npu.preflight.values import MEGATRON, ROLE_SECTIONS, LaunchValues
 
 DEFAULT_CONFIG_NAME = "ppo_trainer"  # what verl.trainer.main_ppo composes without --config-name
 OTC_SUFFIX = ".override_transformer_config."
@@ -42,6 +45,7 @@ _KEY_IN_MESSAGE = (
     re.compile(r"Error parsing override '([^']+)'"),
     re.compile(r"Could not append to config\. An item is already at '([^']+)'"),
 )
+_INPUT_LINE = re.compile(r"input_line='((?:[^'\\]|\\.)*)'")  # the override, as Hydra's own ValueErrors quote it
 
 
 def verl_config_dir() -> Path:
@@ -57,15 +61,87 @@ def override_key(override: str) -> str:
     return override.lstrip("+~").split("=", 1)[0].strip()
 
 
-def _compose(config_name: str, overrides: Sequence[str]):
+class ConfigSearchError(UserError):
+    """--config-path or --config-dir names no directory preflight can compose from."""
+
+
+@dataclasses.dataclass(frozen=True)
+class ConfigSearch:
+    """Where Hydra finds the launch's configs: the primary directory (verl's own unless ``--config-path``) and the
+    ``--config-dir`` added to the search path."""
+
+    primary: Path
+    extra: Path | None = None
+
+    @property
+    def directories(self) -> tuple[Path, ...]:
+        return (self.primary,) if self.extra is None else (self.primary, self.extra)
+
+    def describe(self, config_name: str) -> str:
+        if self.primary == verl_config_dir() and self.extra is None:
+            return f"verl's {config_name}.yaml"
+        return f"{config_name}.yaml from {', '.join(map(str, self.directories))}"
+
+
+def config_search(
+    config_path: str | None = None, config_dir: str | None = None, unknown: Sequence[str] = ()
+) -> ConfigSearch:
+    """The directories as ``python -m verl.trainer.main_ppo`` gives them to Hydra (hydra/_internal/utils.py).
+
+    ``--config-path``: absolute, or relative to the directory of verl's ``main_ppo.py`` (the file declaring
+    ``@hydra.main``), not to the working directory; ``--config-dir``: absolute, or relative to the working
+    directory (preflight's, since the trainer's is only known when it runs). Raises ConfigSearchError naming the
+    option for a placeholder (``unknown``: the launch's), a ``pkg://`` path or a directory that does not exist.
+    """
+    base = verl_config_dir()
+    found: list[Path | None] = []
+    for option, value, relative_to in (("--config-path", config_path, base.parent), ("--config-dir", config_dir, None)):
+        if value is None:
+            found.append(None)
+            continue
+        if any(placeholder in value for placeholder in unknown):
+            raise ConfigSearchError(f"{option}={value}: only known when the launch runs, so preflight cannot compose "
+                                    "the config; give the directory literally")  # fmt: skip
+        if value.startswith("pkg://"):
+            raise ConfigSearchError(f"{option}={value}: preflight composes from a directory; give the package's "
+                                    "config directory as a path")  # fmt: skip
+        path = Path(value.removeprefix("file://")).expanduser()
+        relative = not path.is_absolute()
+        if relative:
+            path = (relative_to / path) if relative_to is not None else Path.cwd() / path
+        path = Path(os.path.normpath(path))
+        if not path.is_dir():
+            anchor = f" (relative paths start at {relative_to})" if relative and relative_to is not None else ""
+            raise ConfigSearchError(f"{option}={value}: {path} is not a directory{anchor}")
+        found.append(path)
+    return ConfigSearch(found[0] or base, found[1])
+
+
+def _searchpath(search: ConfigSearch | None, overrides: Sequence[str]) -> list[str]:
+    """The overrides, with ``--config-dir`` on Hydra's search path (merged into a ``hydra.searchpath`` override)."""
+    if search is None or search.extra is None:
+        return list(overrides)
+    extra = f"file://{search.extra}"
+    out, merged = [], False
+    for override in overrides:
+        key, eq, value = override.partition("=")
+        if key.lstrip("+") == "hydra.searchpath" and eq and value.strip().startswith("["):
+            inner = value.strip()[1:-1].strip()
+            override, merged = f"{key}=[{inner + ',' if inner else ''}{extra}]", True
+        out.append(override)
+    return out if merged else [*out, f"hydra.searchpath=[{extra}]"]
+
+
+def _compose(config_name: str, overrides: Sequence[str], search: ConfigSearch | None = None):
     from hydra import compose, initialize_config_dir
 
-    with initialize_config_dir(config_dir=str(verl_config_dir()), version_base=None):
-        return compose(config_name=config_name, overrides=list(overrides))
+    primary = search.primary if search is not None else verl_config_dir()
+    with initialize_config_dir(config_dir=str(primary), version_base=None):
+        return compose(config_name=config_name, overrides=_searchpath(search, overrides))
 
 
 @cache
-def _base_keys(config_name: str) -> tuple[frozenset[str], frozenset[str]]:
+def _base_keys(config_name: str, search: ConfigSearch | None = None) -> tuple[frozenset[str], frozenset[str]]:
     """(every key path, every path holding a mapping) of verl's config without overrides."""
     from omegaconf import DictConfig, ListConfig
 
@@ -82,7 +158,7 @@ def _base_keys(config_name: str) -> tuple[frozenset[str], frozenset[str]]:
         elif isinstance(node, ListConfig):
             leaves.add(prefix)
 
-    walk(_compose(config_name, []), "")
+    walk(_compose(config_name, [], search), "")
     return frozenset(leaves), frozenset(nodes)
 
 
@@ -182,25 +258,29 @@ def _check_added_keys(overrides: Sequence[str]) -> list[Check]:
     return checks
 
 
-def compose_config(config_name: str | None, overrides: Sequence[str]) -> tuple[Any, list[Check]]:
-    """verl's composed DictConfig (None when it cannot be composed) and the checks that ran."""
-    from hydra.errors import HydraException
-    from omegaconf.errors import OmegaConfBaseException
+def compose_config(
+    config_name: str | None, overrides: Sequence[str], search: ConfigSearch | None = None
+) -> tuple[Any, list[Check]]:
+    """verl's composed DictConfig (None when it cannot be composed) and the checks that ran.
 
+    ``search``: where the configs are (:func:`config_search`; None: verl's own config directory).
+    """
     name = config_name or DEFAULT_CONFIG_NAME
+    where = (search or ConfigSearch(verl_config_dir())).describe(name)
     try:  # the usual case, valid overrides: one composition, no diagnosis needed
-        config = _compose(name, overrides)
-    except (HydraException, OmegaConfBaseException):
+        config = _compose(name, overrides, search)
+    except Exception:  # Hydra rejects overrides with its own errors and with ValueError/TypeError/KeyError
         config = None
     if config is not None:
         checks = _check_added_keys(overrides)
         if not checks:
-            checks.append(Check("config.compose", OK, f"{len(overrides)} overrides compose with verl's {name}.yaml"))
+            checks.append(Check("config.compose", OK, f"{len(overrides)} overrides compose with {where}"))
         return config, checks
     try:
-        known, mappings = _base_keys(name)
-    except (HydraException, OmegaConfBaseException) as exc:
-        return None, [Check("config.config-name", FAIL, f"--config-name={name}: verl has no such config ({exc})")]
+        known, mappings = _base_keys(name, search)
+    except Exception as exc:  # a config that does not compose even without overrides
+        text = " ".join(str(exc).split())
+        return None, [Check("config.config-name", FAIL, f"--config-name={name}: cannot compose {where} ({text})")]
     checks: list[Check] = []
     kept: list[str] = []
     # Every bad key at once: Hydra would stop at the first.
@@ -219,12 +299,15 @@ def compose_config(config_name: str | None, overrides: Sequence[str]) -> tuple[A
     checks += _check_added_keys(kept)
     for _ in range(len(kept) + 1):
         try:
-            config = _compose(name, kept)
+            config = _compose(name, kept, search)
             break
-        except (HydraException, OmegaConfBaseException) as exc:
-            message = str(exc).strip()
+        except Exception as exc:
+            message = " ".join(str(exc).split()) or type(exc).__name__
             offending = next((m.group(1) for p in _KEY_IN_MESSAGE if (m := p.search(message))), None)
-            index = next((i for i, o in enumerate(kept) if offending and override_key(o) == offending), None)
+            line = m.group(1) if (m := _INPUT_LINE.search(message)) else None
+            index = next(
+                (i for i, o in enumerate(kept) if o == line or (offending and override_key(o) == offending)), None
+            )
             if index is None:
                 checks.append(Check("config.compose", FAIL, f"verl's config rejected the overrides: {message}"))
                 return None, checks
@@ -232,7 +315,7 @@ def compose_config(config_name: str | None, overrides: Sequence[str]) -> tuple[A
     else:  # pragma: no cover - the loop drops one override per failure, so it always ends
         return None, checks
     if not failed(checks):
-        checks.append(Check("config.compose", OK, f"{len(overrides)} overrides compose with verl's {name}.yaml"))
+        checks.append(Check("config.compose", OK, f"{len(overrides)} overrides compose with {where}"))
     return config, checks
 
 
@@ -280,7 +363,11 @@ def validate_with_verl(config: Any) -> list[Check]:
         OmegaConf.to_container(config, resolve=True)
     except OmegaConfBaseException as exc:
         return [Check("config.interpolation", FAIL, f"a value does not resolve: {exc}")]
-    use_ref, use_critic = needs_reference_policy(config), needs_critic(config)
+    try:
+        use_ref, use_critic = needs_reference_policy(config), needs_critic(config)
+    except OmegaConfBaseException as exc:  # a section the roles depend on was deleted (~key)
+        text = " ".join(str(exc).split())
+        return [Check("config.verl-validation", FAIL, f"verl's roles (reference policy, critic): {text}")]
     steps: list[tuple[str, Any]] = [
         ("verl validate_config", lambda: validate_config(config, use_reference_policy=use_ref, use_critic=use_critic)),
         ("actor_rollout_ref.rollout", lambda: omega_conf_to_dataclass(config.actor_rollout_ref.rollout)),
@@ -300,31 +387,43 @@ def validate_with_verl(config: Any) -> list[Check]:
             checks.append(Check("config.verl-validation", FAIL, f"{name}: {text}"))
         except OSError as exc:  # e.g. the model path is not on this machine
             checks.append(Check("config.verl-validation", WARN, f"{name}: not checked here ({exc})"))
+        except Exception as exc:
+            text = f"{type(exc).__name__}: {str(exc).strip()}".rstrip(": ")
+            checks.append(
+                Check("config.verl-validation", FAIL, f"{name}: verl's validation broke on this config ({text})")
+            )
     if not checks:
         checks.append(Check("config.verl-validation", OK, "verl's validate_config and config dataclasses accept it"))
     return checks
 
 
-def _megatron_roles(config: Mapping[str, Any]) -> dict[str, tuple[Mapping[str, Any], Mapping[str, Any]]]:
-    """Each Megatron role's (engine config, optimizer config): the actor, the reference model, an enabled critic."""
-    arr = config["actor_rollout_ref"]
-    roles = {"actor": (arr["actor"]["megatron"], arr["actor"].get("optim") or {})}
-    if (arr.get("ref") or {}).get("megatron"):
-        roles["ref"] = (arr["ref"]["megatron"], {})  # the reference model has no optimizer
-    critic = config.get("critic") or {}
-    if critic.get("enable") and critic.get("megatron"):
-        roles["critic"] = (critic["megatron"], critic.get("optim") or {})
+def _megatron_roles(config: Mapping[str, Any], values: LaunchValues) -> dict[str, tuple[Mapping[str, Any], Any]]:
+    """Each Megatron role's (engine config, optimizer config): the actor, the reference model, an enabled critic.
+
+    Which roles are Megatron engines is the typed view's answer (an FSDP actor has none); their sections are there
+    and are mappings (the view checked).
+    """
+    roles = {}
+    for role in values.megatron_roles:
+        section = config
+        for key in ROLE_SECTIONS[role].split("."):
+            section = section[key]
+        optim = {} if role == "ref" else section.get("optim") or {}  # the reference model has no optimizer
+        roles[role] = (section[MEGATRON], optim)
     return roles
 
 
-def engine_plans(config: Mapping[str, Any], hf_config: Any, platform: str) -> tuple[dict[str, Any], list[Check]]:
+def engine_plans(
+    config: Mapping[str, Any], values: LaunchValues, hf_config: Any, platform: str
+) -> tuple[dict[str, Any], list[Check]]:
     """The engine's build plan for each Megatron role (resolved config), the call the engine makes at build time.
 
-    Returns the roles' BuildPlans (those that build) and the checks: every violated rule of every role at once.
+    ``values``: the config's typed view; every value the plans compute with is in range. Returns the roles'
+    BuildPlans (those that build) and the checks: every violated rule of every role at once.
     """
     from verl_npu.engine.build_plan import BuildPlanError, build_plan
 
-    roles = _megatron_roles(config)
+    roles = _megatron_roles(config, values)
     plans, checks = {}, []
     for role, (engine, optim) in roles.items():
         try:
@@ -416,7 +515,7 @@ def rollout_environment_checks(config: Mapping[str, Any], env: Mapping[str, str]
     """Environment the rollout cannot start with: expandable segments under vLLM's sleep mode."""
     from verl_npu.contracts.vllm_ascend import ALLOC_CONF_VARIABLE, EXPANDABLE_SEGMENTS
 
-    rollout = config["actor_rollout_ref"].get("rollout") or {}
+    rollout = _section(config, "actor_rollout_ref", "rollout")
     value = env.get(ALLOC_CONF_VARIABLE)
     if rollout.get("name") != "vllm" or value is None or EXPANDABLE_SEGMENTS not in value:
         return []
@@ -463,8 +562,7 @@ def rollout_model_checks(
     from verl_npu.contracts.vllm_ascend import GLM52_PATCH_ON_VALUES, GLM52_PATCH_VARIABLE
     from verl_npu.engine.glm5_config import MODEL_TYPE
 
-    arr = config["actor_rollout_ref"]
-    rollout = arr.get("rollout") or {}
+    rollout = _section(config, "actor_rollout_ref", "rollout")
     name = rollout.get("name")
     vllm_on_ascend = name == "vllm" and platform == "ascend"
     glm = hf_config.get("model_type") == MODEL_TYPE
@@ -514,8 +612,8 @@ def rollout_model_checks(
                 "actor_rollout_ref.model.path at the BF16 checkpoint (the actor trains in BF16 either way)",
             )
         )
-    mtp = rollout.get("mtp") or {}  # what verl's rollout reads (by default an interpolation of model.mtp)
-    speculative = ((rollout.get("engine_kwargs") or {}).get("vllm") or {}).get("speculative_config")
+    mtp = _section(rollout, "mtp")  # what verl's rollout reads (by default an interpolation of model.mtp)
+    speculative = _section(rollout, "engine_kwargs", "vllm").get("speculative_config")
     if not (isinstance(speculative, Mapping) and "mtp" in str(speculative.get("method") or "")):
         speculative = None  # a separate draft model or n-gram drafting needs no weights from the actor
     mtp_on = bool(mtp.get("enable") and mtp.get("enable_rollout"))
@@ -526,7 +624,7 @@ def rollout_model_checks(
             if mtp_on
             else f"actor_rollout_ref.rollout.engine_kwargs.vllm.speculative_config={speculative!r}"
         )
-        load_format = rollout.get("load_format") or "dummy"
+        load_format = str(rollout.get("load_format") or "dummy")
         dummy = load_format.startswith("dummy")
         checks.append(
             Check(
@@ -546,6 +644,13 @@ def rollout_model_checks(
             )
         )
     return checks
+
+
+def _section(config: Any, *keys: str) -> Mapping[str, Any]:
+    """The mapping at ``keys`` ({} where a section is absent, e.g. deleted with ``~``, or not a mapping)."""
+    for key in keys:
+        config = config.get(key) if isinstance(config, Mapping) else None
+    return config if isinstance(config, Mapping) else {}
 
 
 def as_mapping(config: Any) -> Mapping[str, Any]:

@@ -20,12 +20,14 @@ from verl_npu.preflight.shell import (
     CHAINS,
     NAME,
     Finding,
+    ScriptFileError,
     StaticShell,
     Taint,
     descendants,
     join_pieces,
     node_line,
     node_text,
+    read_script_file,
     scalar,
 )
 
@@ -50,18 +52,40 @@ class Launch:
     variables: dict[str, str]  # every shell variable at the trainer command (arrays joined by spaces)
     findings: tuple[Finding, ...]
     trainer_line: int | None
+    config_path: str | None = None  # --config-path: the primary config directory (Hydra: relative to main_ppo.py)
+    config_dir: str | None = None  # --config-dir: one more directory on the config search path
+    unknowns: tuple[str, ...] = ()  # the placeholders (<$(...)>) in config_name, config_path, config_dir, overrides
+
+    def hydra_overrides(self) -> tuple[tuple[str, ...], dict[str, str]]:
+        """The overrides Hydra can compose (each placeholder a sentinel) and sentinel -> placeholder."""
+        from verl_npu.preflight import unknowns
+
+        return unknowns.for_hydra(self.overrides, self.unknowns)
 
 
-def _split_config(words: Sequence[str]) -> tuple[str | None, tuple[str, ...]]:
-    """Hydra takes the last --config-name/-cn; every other word is an override."""
-    config, rest, it = None, [], iter(words)
+# Hydra's options that name the config (hydra/_internal/utils.py get_args_parser); the last one given wins
+_CONFIG_OPTIONS = {"--config-name": 0, "-cn": 0, "--config-path": 1, "-cp": 1, "--config-dir": 2, "-cd": 2}
+
+
+def _split_config(words: Sequence[str]) -> tuple[tuple[str | None, str | None, str | None], tuple[str, ...]]:
+    """((config name, config path, config dir), the overrides): every word that is no config option overrides."""
+    config: list[str | None] = [None, None, None]
+    rest, it = [], iter(words)
     for word in it:
         flag, eq, value = word.partition("=")
-        if flag in ("--config-name", "-cn"):
-            config = value if eq else next(it, None)
+        if flag in _CONFIG_OPTIONS:
+            config[_CONFIG_OPTIONS[flag]] = value if eq else next(it, None)
         else:
             rest.append(word)
-    return config, tuple(rest)
+    return (config[0], config[1], config[2]), tuple(rest)
+
+
+def _with_config(launch: Launch, words: Sequence[str], placeholders: Sequence[str] = ()) -> Launch:
+    (name, path, directory), overrides = _split_config(words)
+    texts = [t for t in (name, path, directory, *overrides) if t]
+    unknowns = tuple(p for p in placeholders if any(p in t for t in texts))
+    return replace(launch, config_name=name, config_path=path, config_dir=directory, overrides=overrides,
+                   unknowns=unknowns)  # fmt: skip
 
 
 class _TrainerReader(StaticShell):
@@ -104,10 +128,10 @@ class _TrainerReader(StaticShell):
             env[node_text(a.child_by_field_name("name"))] = join_pieces(self._pieces(value, ctx)) if value else ""
         if words[0] == "env":  # env A=1 python -m ...
             env |= dict(w.split("=", 1) for w in words[1 : found[0]] if NAME.match(w) and "=" in w)
-        config, overrides = _split_config(words[found[1] :])
         passthrough, line = tuple(self.args) if ctx.passthrough else (), node_line(node)
         variables = {k: scalar(v) for k, v in self.vars.items()}
-        self.trainers.append(Launch("", TRAINER_MODULE, config, overrides, passthrough, env, variables, (), line))
+        launch = Launch("", TRAINER_MODULE, None, (), passthrough, env, variables, (), line)
+        self.trainers.append(_with_config(launch, words[found[1] :], list(self.placeholders)))
         self._required(ctx)
         for msg, at in ctx.unknown.items():
             self.report("warning", "unresolved", at, msg)
@@ -119,7 +143,10 @@ class _TrainerReader(StaticShell):
             self.report("error" if strict else "warning", "unset-variable", at, msg)
         for name, at, where in ctx.uncertain:
             msg = f"{name} is assigned inside {where} (line {at}), which preflight does not evaluate"
-            self.report("warning", "unresolved", at, msg + ": the trainer may see another value")
+            if name in self.vars:
+                self.report("warning", "unresolved", at, msg + ": the trainer may see another value")
+            else:
+                self.report("warning", "unresolved", at, msg + f", and not before it: the trainer gets <${name}>")
         if block is not None:
             msg = f"the trainer command is inside {block[0]} (line {block[1]}); it was read as if the block runs"
             self.report("warning", "unresolved", line, msg + ", with the variables as they are before it")
@@ -167,9 +194,9 @@ def read_launch_script(path: str | Path, args: Sequence[str] = (), env: Mapping[
     """The trainer invocation of `bash PATH ARGS...` run with environment ENV (default: empty), read statically."""
     path = Path(path)
     try:
-        data = path.read_bytes()
-    except OSError as exc:
-        raise LaunchError(f"cannot read launch script {path}: {exc.strerror or exc}") from exc
+        data = read_script_file(path)
+    except ScriptFileError as exc:
+        raise LaunchError(f"cannot read launch script {path}: {exc}") from None
     shell = _TrainerReader(path, args, env or {})
     shell.run_file(path, data)
     return shell.launch(str(path), data)
@@ -177,5 +204,4 @@ def read_launch_script(path: str | Path, args: Sequence[str] = (), env: Mapping[
 
 def launch_from_overrides(overrides: Sequence[str]) -> Launch:
     """A Launch for a plain Hydra override list, as given after `python -m verl.trainer.main_ppo`."""
-    config, rest = _split_config(list(overrides))
-    return Launch("<overrides>", TRAINER_MODULE, config, rest, (), {}, {}, (), None)
+    return _with_config(Launch("<overrides>", TRAINER_MODULE, None, (), (), {}, {}, (), None), list(overrides))

@@ -1,24 +1,23 @@
-"""From a composed verl config and the actor's build plan to the memory estimate (verl_npu.preflight.memory).
+"""From a launch's typed view and the actor's build plan to the memory estimate (verl_npu.preflight.memory).
 
-Reads the actor's settings the way verl 0.9.1's Megatron worker applies them: the micro-batch is
-``ppo_max_token_len_per_gpu`` packed tokens with dynamic batch size, else
-``ppo_micro_batch_size_per_gpu`` sequences of prompt + response length; recompute comes from
-``override_transformer_config``. What the engine decides is read from its build plan, never re-derived:
-the platform, the attention kernel (MindSpeed's flash attention), the DSA kernel (MindSpeed's fused
-operators or verl-npu's chunked patches) and the optimizer's dtypes. The device's capacity comes from
-the preflight target (the chip, from the stack manifest).
+Reads the actor's settings from the launch's typed view (:class:`verl_npu.preflight.values.LaunchValues`: every
+value parsed and in range) the way verl 0.9.1's Megatron worker applies them: the micro-batch is
+``ppo_max_token_len_per_gpu`` packed tokens with dynamic batch size, else ``ppo_micro_batch_size_per_gpu``
+sequences of prompt + response length; recompute comes from ``override_transformer_config``. What the engine
+decides is read from its build plan, never re-derived: the platform, the attention kernel (MindSpeed's flash
+attention), the DSA kernel (MindSpeed's fused operators or verl-npu's chunked patches) and the optimizer's dtypes.
+The device's capacity comes from the preflight target (the chip, from the stack manifest).
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from verl_npu.checks import FAIL, OK, WARN, Check
-from verl_npu.dtypes import parse
 from verl_npu.preflight.memory import Activations, GiB, MemoryEstimate, Offload, Parallelism, Precision, estimate
 from verl_npu.preflight.mesh import TrainMesh
 from verl_npu.preflight.model_shape import ModelShape
+from verl_npu.preflight.values import LaunchValues, MegatronRole
 
 if TYPE_CHECKING:
     from verl_npu.engine.build_plan import BuildPlan
@@ -26,7 +25,7 @@ if TYPE_CHECKING:
 
 
 def estimate_launch(
-    config: Mapping[str, Any],
+    values: LaunchValues,
     shape: ModelShape,
     mesh: TrainMesh,
     plan: BuildPlan,
@@ -35,29 +34,29 @@ def estimate_launch(
 ) -> tuple[MemoryEstimate, list[Check]]:
     """The actor's memory on ``target``, built the way ``plan`` (the actor's build plan) says.
 
-    Raises verl_npu.dtypes.DtypeError for a dtype spelling nobody knows.
+    ``values`` is the launch's typed view (a Megatron actor); ``host_memory_gib``: host RAM per node (None: not
+    checked; a given value is > 0, as the CLI and run_preflight parse it).
     """
-    arr = config["actor_rollout_ref"]
-    rollout, mcore = arr["rollout"], arr["actor"]["megatron"]
-    offload = Offload(
-        param_offload=bool(mcore.get("param_offload")), optimizer_offload=bool(mcore.get("optimizer_offload"))
-    )
-    colocated = arr.get("hybrid_engine", True)
+    actor = values.actor
+    if actor is None:
+        raise ValueError(f"the memory estimate models a Megatron actor, not strategy {values.strategy!r}")
+    offload = Offload(param_offload=actor.param_offload, optimizer_offload=actor.optimizer_offload)
+    colocated = values.hybrid_engine
     result = estimate(
         shape,
-        _parallelism(config, mesh),
-        _precision(arr["actor"], plan),
-        _activations(config, mesh, plan),
+        _parallelism(values, mesh),
+        _precision(values, actor, plan),
+        _activations(values, actor, mesh, plan),
         offload,
         capacity_bytes=target.hbm_bytes,
-        rollout_gpu_memory_utilization=float(rollout.get("gpu_memory_utilization") or 0) if colocated else None,
-        host_capacity_bytes=int(host_memory_gib * GiB) if host_memory_gib else None,
+        rollout_gpu_memory_utilization=values.rollout.gpu_memory_utilization if colocated else None,
+        host_capacity_bytes=int(host_memory_gib * GiB) if host_memory_gib is not None else None,
         platform=plan.platform,
     )
     return result, memory_checks(result, offload, target.chip)
 
 
-def _parallelism(config: Mapping[str, Any], mesh: TrainMesh) -> Parallelism:
+def _parallelism(values: LaunchValues, mesh: TrainMesh) -> Parallelism:
     return Parallelism(
         tp=mesh.tp,
         pp=mesh.pp,
@@ -69,40 +68,40 @@ def _parallelism(config: Mapping[str, Any], mesh: TrainMesh) -> Parallelism:
         vpp=mesh.vpp,
         num_layers_in_first_pipeline_stage=mesh.first_stage_layers,
         num_layers_in_last_pipeline_stage=mesh.last_stage_layers,
-        devices_per_node=int(config["trainer"]["n_gpus_per_node"]),
+        devices_per_node=values.n_gpus_per_node,
     )
 
 
-def _precision(actor: Mapping[str, Any], plan: BuildPlan) -> Precision:
-    mcore, optim = actor["megatron"], actor.get("optim") or {}
-    ddp = {**plan.ddp_overrides, **(mcore.get("override_ddp_config") or {})}  # as the engine merges them
+def _precision(values: LaunchValues, actor: MegatronRole, plan: BuildPlan) -> Precision:
+    # the engine merges the user's override_ddp_config over the build plan's
+    grad_reduce_in_fp32 = actor.grad_reduce_in_fp32
+    if grad_reduce_in_fp32 is None:
+        grad_reduce_in_fp32 = bool(plan.ddp_overrides.get("grad_reduce_in_fp32", True))
     return Precision(
-        params_dtype=parse(mcore.get("dtype"), "bf16", "megatron.dtype"),
-        grad_reduce_in_fp32=bool(ddp.get("grad_reduce_in_fp32", True)),
-        use_distributed_optimizer=bool(mcore.get("use_distributed_optimizer", True)),
-        use_precision_aware_optimizer=bool(optim.get("use_precision_aware_optimizer")),
-        main_params_dtype=parse(optim.get("main_params_dtype"), "fp32", "optim.main_params_dtype"),
+        params_dtype=actor.params_dtype,
+        grad_reduce_in_fp32=grad_reduce_in_fp32,
+        use_distributed_optimizer=actor.use_distributed_optimizer,
+        use_precision_aware_optimizer=values.use_precision_aware_optimizer,
+        main_params_dtype=values.main_params_dtype,
         **plan.optimizer_dtypes,
     )
 
 
-def _activations(config: Mapping[str, Any], mesh: TrainMesh, plan: BuildPlan) -> Activations:
-    actor, data = config["actor_rollout_ref"]["actor"], config["data"]
-    otc = actor["megatron"].get("override_transformer_config") or {}
-    n = int(config["actor_rollout_ref"]["rollout"].get("n") or 1)
-    if actor.get("use_dynamic_bsz"):
-        micro, seq, microbatches = 1, int(actor["ppo_max_token_len_per_gpu"]), None
+def _activations(values: LaunchValues, actor: MegatronRole, mesh: TrainMesh, plan: BuildPlan) -> Activations:
+    n = values.rollout.n
+    if values.use_dynamic_bsz:
+        micro, seq, microbatches = 1, values.ppo_max_token_len_per_gpu, None
     else:
-        micro = int(actor.get("ppo_micro_batch_size_per_gpu") or 1)
-        seq = int(data["max_prompt_length"]) + int(data["max_response_length"])
-        microbatches = max(int(actor["ppo_mini_batch_size"]) * n // max(mesh.dp, 1) // micro, 1)
+        micro = values.ppo_micro_batch_size_per_gpu or 1
+        seq = values.max_sequence
+        microbatches = max(values.ppo_mini_batch_size * n // max(mesh.dp, 1) // micro, 1)
     return Activations(
         micro_batch_size=micro,
         seq_len=seq,
         num_microbatches=microbatches,
-        recompute_granularity=otc.get("recompute_granularity"),
-        recompute_method=otc.get("recompute_method"),
-        recompute_num_layers=otc.get("recompute_num_layers"),
+        recompute_granularity=actor.recompute_granularity,
+        recompute_method=actor.recompute_method,
+        recompute_num_layers=actor.recompute_num_layers,
         attention_kernel="flash" if plan.flash_attention else "unfused",
         dsa_kernel="fused" if plan.fused_dsa else "chunked",
     )

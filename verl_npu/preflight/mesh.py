@@ -4,16 +4,16 @@ verl only finds most of these at worker start-up (after the job has waited in th
 megatron reports some as a bare assertion on one rank. The rules are megatron-core 0.18's
 (parallel_state.initialize_model_parallel, the pipeline layer split, TransformerConfig's
 sequence-parallel rule) and verl 0.9.1's (batch normalisation per data-parallel rank, vLLM's
-expert-parallel size, the THD padding in verl.models.mcore.util).
+expert-parallel size, the THD padding in verl.models.mcore.util). They read the launch's typed view
+(:class:`verl_npu.preflight.values.LaunchValues`): every size is an integer in range before any arithmetic here.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
-from typing import Any
 
 from verl_npu.checks import FAIL, OK, WARN, Check, failed
+from verl_npu.preflight.values import LaunchValues, MegatronRole, RolloutValues
 
 
 @dataclasses.dataclass(frozen=True)
@@ -49,26 +49,19 @@ class TrainMesh:
         return [first if first is not None else each, *[each] * (pp - 2), last if last is not None else each]
 
 
-def _int(section: Mapping[str, Any], key: str, default: int = 1) -> int:
-    value = section.get(key)
-    return default if value is None else int(value)
-
-
-def train_mesh(role: str, section: Mapping[str, Any], world: int) -> TrainMesh:
-    mcore = section["megatron"]
-    otc = mcore.get("override_transformer_config") or {}
+def train_mesh(role: MegatronRole, world: int) -> TrainMesh:
     return TrainMesh(
-        role=role,
+        role=role.role,
         world=world,
-        tp=_int(mcore, "tensor_model_parallel_size"),
-        pp=_int(mcore, "pipeline_model_parallel_size"),
-        cp=_int(mcore, "context_parallel_size"),
-        ep=_int(mcore, "expert_model_parallel_size"),
-        etp=_int(mcore, "expert_tensor_parallel_size", _int(mcore, "tensor_model_parallel_size")),
-        sequence_parallel=bool(mcore.get("sequence_parallel")),
-        first_stage_layers=otc.get("num_layers_in_first_pipeline_stage"),
-        last_stage_layers=otc.get("num_layers_in_last_pipeline_stage"),
-        vpp=mcore.get("virtual_pipeline_model_parallel_size"),
+        tp=role.tp,
+        pp=role.pp,
+        cp=role.cp,
+        ep=role.ep,
+        etp=role.etp,
+        sequence_parallel=role.sequence_parallel,
+        first_stage_layers=role.first_stage_layers,
+        last_stage_layers=role.last_stage_layers,
+        vpp=role.vpp,
     )
 
 
@@ -129,11 +122,8 @@ def check_train_mesh(mesh: TrainMesh, num_layers: int, num_experts: int) -> list
     return fails
 
 
-def check_rollout(rollout: Mapping[str, Any], world: int, num_experts: int) -> list[Check]:
-    tp = _int(rollout, "tensor_model_parallel_size")
-    dp = _int(rollout, "data_parallel_size")
-    pp = _int(rollout, "pipeline_model_parallel_size")
-    ep = _int(rollout, "expert_parallel_size")
+def check_rollout(rollout: RolloutValues, world: int, num_experts: int) -> list[Check]:
+    tp, dp, pp, ep = rollout.tp, rollout.dp, rollout.pp, rollout.ep
     checks = []
     replica = tp * dp * pp
     if world % replica:
@@ -165,15 +155,15 @@ def check_rollout(rollout: Mapping[str, Any], world: int, num_experts: int) -> l
     return checks
 
 
-def check_thd_alignment(mesh: TrainMesh, section: Mapping[str, Any], max_sequence: int) -> list[Check]:
+def check_thd_alignment(mesh: TrainMesh, values: LaunchValues, role: MegatronRole) -> list[Check]:
     """verl pads each packed sequence to tp (tp*cp*2 with CP); the token budget must hold the padded max."""
-    mcore = section["megatron"]
+    max_sequence = values.max_sequence
     align = mesh.tp * mesh.cp * 2 if mesh.cp > 1 else mesh.tp
     padded = -(-max_sequence // align) * align
-    layout = "THD" if mcore.get("use_remove_padding", True) else "BSHD"
-    if section.get("use_dynamic_bsz"):
-        budget = section.get("ppo_max_token_len_per_gpu") or section.get("log_prob_max_token_len_per_gpu")
-        if budget is not None and int(budget) < padded:
+    layout = "THD" if role.use_remove_padding else "BSHD"
+    if values.use_dynamic_bsz:
+        budget = values.ppo_max_token_len_per_gpu or values.log_prob_max_token_len_per_gpu
+        if budget is not None and budget < padded:
             return [
                 Check(
                     f"mesh.{mesh.role}-thd-alignment",
@@ -192,11 +182,10 @@ def check_thd_alignment(mesh: TrainMesh, section: Mapping[str, Any], max_sequenc
     ]
 
 
-def check_batches(config: Mapping[str, Any], mesh: TrainMesh) -> list[Check]:
+def check_batches(values: LaunchValues, mesh: TrainMesh) -> list[Check]:
     """verl's per-rank batch split: train batch -> mini-batches -> per-DP-rank -> micro-batches."""
-    actor = config["actor_rollout_ref"]["actor"]
-    n = int(config["actor_rollout_ref"]["rollout"].get("n") or 1)
-    train, mini = int(config["data"]["train_batch_size"]), int(actor["ppo_mini_batch_size"])
+    n = values.rollout.n
+    train, mini = values.train_batch_size, values.ppo_mini_batch_size
     checks = []
     if train % mini:
         checks.append(
@@ -215,10 +204,10 @@ def check_batches(config: Mapping[str, Any], mesh: TrainMesh) -> list[Check]:
                 f"{mesh.dp} data-parallel ranks",
             )
         )
-    elif not actor.get("use_dynamic_bsz"):
-        micro = actor.get("ppo_micro_batch_size_per_gpu")
+    elif not values.use_dynamic_bsz:
+        micro = values.ppo_micro_batch_size_per_gpu
         per_rank = mini * n // max(mesh.dp, 1)
-        if micro and per_rank % int(micro):
+        if micro and per_rank % micro:
             checks.append(
                 Check(
                     "mesh.batch-micro",
@@ -239,27 +228,35 @@ def check_batches(config: Mapping[str, Any], mesh: TrainMesh) -> list[Check]:
     return checks
 
 
-def check_mesh(config: Mapping[str, Any], num_layers: int, num_experts: int) -> tuple[list[Check], TrainMesh]:
-    """All mesh checks; returns them and the actor's mesh (the memory estimate uses it)."""
-    trainer = config["trainer"]
-    world = int(trainer["nnodes"]) * int(trainer["n_gpus_per_node"])
-    checks = [Check("mesh.world", OK, f"{trainer['nnodes']} nodes x {trainer['n_gpus_per_node']} = {world}")]
-    arr = config["actor_rollout_ref"]
-    actor = train_mesh("actor", arr["actor"], world)
+def check_mesh(values: LaunchValues, num_layers: int, num_experts: int) -> tuple[list[Check], TrainMesh | None]:
+    """All mesh checks; returns them and the actor's mesh (the memory estimate uses it; None: not a Megatron actor).
+
+    ``values`` is the typed view (verl_npu.preflight.values): every size here is an integer in range.
+    """
+    world = values.world
+    checks = [Check("mesh.world", OK, f"{values.nnodes} nodes x {values.n_gpus_per_node} = {world}")]
+    if values.actor is None:
+        checks.append(
+            Check(
+                "mesh.actor-not-checked",
+                WARN,
+                f"actor: strategy {values.strategy}: preflight's device-mesh, batch-split and memory checks model "
+                "Megatron engines only; the actor's mesh, batches and memory are not checked here (verl's own "
+                "validation above did run)",
+            )
+        )
+        return checks + check_rollout(values.rollout, world, num_experts), None
+    actor = train_mesh(values.actor, world)
     checks += check_train_mesh(actor, num_layers, num_experts)
-    ref = arr.get("ref") or {}
-    if ref.get("megatron"):
-        ref_mesh = train_mesh("ref", ref, world)
+    if values.ref is not None:
+        ref_mesh = train_mesh(values.ref, world)
         if dataclasses.replace(ref_mesh, role="actor") != actor:
             checks += check_train_mesh(ref_mesh, num_layers, num_experts)
-    critic = config.get("critic") or {}
-    if critic.get("enable") and critic.get("megatron"):
-        checks += check_train_mesh(train_mesh("critic", critic, world), num_layers, num_experts)
-    checks += check_rollout(arr["rollout"], world, num_experts)
-    data = config["data"]
-    max_sequence = int(data["max_prompt_length"]) + int(data["max_response_length"])
-    checks += check_thd_alignment(actor, arr["actor"], max_sequence)
-    checks += check_batches(config, actor)
+    if values.critic is not None:
+        checks += check_train_mesh(train_mesh(values.critic, world), num_layers, num_experts)
+    checks += check_rollout(values.rollout, world, num_experts)
+    checks += check_thd_alignment(actor, values, values.actor)
+    checks += check_batches(values, actor)
     if not failed(checks) and actor.dp == 0:
         checks.append(Check("mesh.actor-dp", WARN, "actor: no data-parallel ranks"))
     return checks, actor

@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Any
 
 from verl_npu.checks import FAIL, OK, WARN, Check
+from verl_npu.errors import UserError
 from verl_npu.preflight.model_shape import load_config
 
 GLM5_NAME = re.compile(r"glm-?5", re.IGNORECASE)
@@ -36,17 +37,21 @@ def resolve_model(model_path: str | None, model_config: str | None, beside_scrip
         return None, Check("config.model", FAIL, message), None
 
     source = model_config or model_path
+    if source is not None and not isinstance(source, str):
+        return failed(f"actor_rollout_ref.model.path={source!r}: expected a path or a model id")
     if source is None:
         return failed("no model: set actor_rollout_ref.model.path or --model-config")
     try:
         origin = FROM_MODEL_CONFIG if model_config else FROM_MODEL_PATH
         return load_config(source), Check("config.model", OK, f"model config from {source}"), origin
+    except UserError as exc:  # the config is there but unusable: no stand-in replaces it
+        return failed(str(exc) if str(source) in str(exc) else f"{source}: {exc}")
     except (ValueError, OSError) as exc:
         missing = exc
     if model_config is None and beside_script is not None:
         try:
             hf = load_config(beside_script)
-        except (ValueError, OSError) as exc:
+        except (ValueError, OSError) as exc:  # a UserError (values out of range) too
             return failed(f"{model_path}: {missing}; and {beside_script}: {exc}")
         message = (
             f"model config from {beside_script} (beside the launch script): {model_path} is not on this machine; "

@@ -5,7 +5,9 @@ or its ``config.json``), a model id (resolved offline only: ``local_files_only=T
 (transformers' ``GlmMoeDsaConfig()`` defaults) or ``"glm5.2"`` (those defaults with GLM-5.2's published
 differences, :data:`GLM5_2_DIFFERENCES`). Known families (llama, qwen2, qwen3, qwen3_moe,
 deepseek_v3, glm_moe_dsa) get transformers' own defaults for keys the dict leaves out; any other
-``model_type`` must spell out every required key and gets a ValueError naming the first one missing.
+``model_type`` must spell out every required key. Every value is read through verl_npu.inputs (:data:`SIZES`): a
+value that is missing, of the wrong type or out of range is an InputErrors (a ValueError) naming each one, and a
+config.json is checked before transformers builds its family's config class from it (:func:`check_values`).
 
 Counts follow the modules transformers instantiates for the family (checked against real tiny models
 in tests_npu/test_preflight_memory.py), split the way megatron shards them: ``tp`` (split over tensor
@@ -22,8 +24,14 @@ from __future__ import annotations
 import copy
 import dataclasses
 import json
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
+
+from verl_npu import inputs
+from verl_npu.errors import UserError
+from verl_npu.inputs import MAX_EXPERTS, MAX_HEADS, MAX_HIDDEN, MAX_LAYERS, MAX_TOKENS, MAX_VOCAB, InputError
+from verl_npu.preflight.values import InputErrors, Reader
 
 KNOWN_TYPES = ("llama", "qwen2", "qwen3", "qwen3_moe", "deepseek_v3", "glm_moe_dsa")
 GLM5_NAMES, GLM5_2_NAMES = ("glm5", "glm-5"), ("glm5.2", "glm-5.2")
@@ -44,7 +52,6 @@ GLM5_2_DIFFERENCES: dict[str, Any] = dict(
     scoring_func="sigmoid",
     topk_method="noaux_tc",
 )
-_REQUIRED = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -211,102 +218,227 @@ class ModelShape:
         return cls.from_dict(load_config(config))
 
     @classmethod
-    def from_dict(cls, cfg: dict[str, Any]) -> ModelShape:
-        cfg = dict(cfg.get("text_config") or cfg)
-        model_type = str(cfg.get("model_type") or "unknown")
-        for key in _REQUIRED:
-            if cfg.get(key) is None:
-                raise ValueError(f"model config ({model_type}) has no {key!r}; it is needed to size the model")
-        h, a, layers = cfg["hidden_size"], cfg["num_attention_heads"], cfg["num_hidden_layers"]
+    def from_dict(cls, cfg: Mapping[str, Any]) -> ModelShape:
+        """The shape of an HF config dict, every value read through verl_npu.inputs (:data:`SIZES`).
+
+        Raises :class:`verl_npu.preflight.values.InputErrors` naming every value that is missing, of the wrong type
+        or out of range (a ``UserError``, so a ``ValueError``).
+        """
+        cfg = _text_config(cfg)
+        model_type = cfg.get("model_type") if isinstance(cfg.get("model_type"), str) else "unknown"
+        r = Reader(cfg, source=f"model config ({model_type[:64]})")
+        r.text("model_type", default="unknown", max_length=256)
+        _read_every_value(r)  # every size the config sets, whether or not this model uses it
+
+        def size(key: str, default: Any = _MISSING) -> Any:
+            return r.integer(key, *SIZES[key], **({} if default is _MISSING else {"default": default}))
+
+        h, a, layers = size("hidden_size"), size("num_attention_heads"), size("num_hidden_layers")
+        head_dim = size("head_dim", None)
+        if head_dim is None and h and a:
+            r.rule(h // a >= 1, "hidden_size // num_attention_heads", h // a,
+                   "at least 1 (more attention heads than hidden channels: set head_dim)")  # fmt: skip
+            head_dim = h // a
+        flag = lambda key, default: r.boolean(key, default=default)  # noqa: E731
+        bias = flag("attention_bias", None)
         fields: dict[str, Any] = dict(
             model_type=model_type,
-            vocab_size=cfg["vocab_size"],
+            vocab_size=size("vocab_size"),
             hidden_size=h,
             num_layers=layers,
             num_attention_heads=a,
-            num_query_groups=cfg.get("num_key_value_heads") or a,
-            head_dim=cfg.get("head_dim") or h // a,
-            ffn_hidden_size=cfg["intermediate_size"],
+            num_query_groups=size("num_key_value_heads", None) or a,
+            head_dim=head_dim,
+            ffn_hidden_size=size("intermediate_size"),
             # every supported family's MLP is gated (gate_proj/up_proj) whatever its activation
-            gated_linear_unit=model_type in KNOWN_TYPES or bool(cfg.get("gated_linear_unit", True)),
-            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-            qkv_bias=bool(cfg.get("attention_bias", model_type == "qwen2")),
-            proj_bias=bool(cfg.get("attention_bias", False)),
-            mlp_bias=bool(cfg.get("mlp_bias", False)),
-            qk_layernorm=model_type in ("qwen3", "qwen3_moe") or bool(cfg.get("qk_layernorm", False)),
+            gated_linear_unit=model_type in KNOWN_TYPES or flag("gated_linear_unit", True),
+            tie_word_embeddings=flag("tie_word_embeddings", False),
+            qkv_bias=model_type == "qwen2" if bias is None else bias,
+            proj_bias=bool(bias),
+            mlp_bias=flag("mlp_bias", False),
+            qk_layernorm=model_type in ("qwen3", "qwen3_moe") or flag("qk_layernorm", False),
         )
-        experts = cfg.get("n_routed_experts") or cfg.get("num_experts") or cfg.get("num_local_experts") or 0
+        counts = [size(key, None) for key in EXPERT_COUNT_KEYS]  # the first one set counts, as transformers reads them
+        experts = next((n for n in counts if n), 0)
         if experts:
-            for key in ("moe_intermediate_size", "num_experts_per_tok"):
-                if cfg.get(key) is None:
-                    raise ValueError(f"model config ({model_type}) has {experts} experts but no {key!r}")
-            shared = (cfg.get("n_shared_experts") or 0) * cfg["moe_intermediate_size"]
+            moe, topk = size("moe_intermediate_size"), size("num_experts_per_tok")
+            r.rule(
+                moe is None or moe >= 1, "moe_intermediate_size", moe, f"at least 1 in a model with {experts} experts"
+            )
+            r.rule(topk is None or 1 <= topk <= experts, "num_experts_per_tok", topk,
+                   f"from 1 to the model's {experts} routed experts")  # fmt: skip
+            shared = (size("n_shared_experts", 0) or 0) * (moe or 0)
             fields.update(
                 num_experts=experts,
-                moe_ffn_hidden_size=cfg["moe_intermediate_size"],
-                router_topk=cfg["num_experts_per_tok"],
-                shared_expert_ffn_hidden_size=shared or cfg.get("shared_expert_intermediate_size") or 0,
-                is_moe=tuple(_moe_layers(model_type, cfg, layers)),
+                moe_ffn_hidden_size=moe,
+                router_topk=topk,
+                shared_expert_ffn_hidden_size=shared or size("shared_expert_intermediate_size", 0) or 0,
+                is_moe=_moe_layers(model_type, r, cfg, layers),
             )
-        if cfg.get("kv_lora_rank"):
-            fields.update(_mla_fields(model_type, cfg))
+        if size("kv_lora_rank", None):
+            fields.update(_mla_fields(r, a, layers))
+        r.raise_errors()  # nothing was computed with a bad value; the shape is built from good ones only
         return cls(**fields)
 
 
-def _mla_fields(model_type: str, cfg: dict[str, Any]) -> dict[str, Any]:
+_MISSING: Any = object()
+# The bounds of every size ModelShape reads from an HF config (verl_npu.inputs' limits). The minimum is 0 for the
+# sizes of optional parts (experts, MLA, the DSA indexer): from_dict requires more where the model has the part.
+SIZES: dict[str, tuple[int, int]] = {
+    "vocab_size": (1, MAX_VOCAB),
+    "hidden_size": (1, MAX_HIDDEN),
+    "num_hidden_layers": (1, MAX_LAYERS),
+    "num_attention_heads": (1, MAX_HEADS),
+    "num_key_value_heads": (1, MAX_HEADS),
+    "head_dim": (1, MAX_HIDDEN),
+    "intermediate_size": (1, MAX_HIDDEN),
+    "n_routed_experts": (0, MAX_EXPERTS),
+    "num_experts": (0, MAX_EXPERTS),
+    "num_local_experts": (0, MAX_EXPERTS),
+    "moe_intermediate_size": (0, MAX_HIDDEN),
+    "num_experts_per_tok": (0, MAX_EXPERTS),
+    "n_shared_experts": (0, MAX_EXPERTS),
+    "shared_expert_intermediate_size": (0, MAX_HIDDEN),
+    "first_k_dense_replace": (0, MAX_LAYERS),
+    "moe_layer_freq": (1, MAX_LAYERS),
+    "decoder_sparse_step": (1, MAX_LAYERS),
+    "q_lora_rank": (0, MAX_HIDDEN),
+    "kv_lora_rank": (0, MAX_HIDDEN),
+    "qk_nope_head_dim": (0, MAX_HIDDEN),
+    "qk_rope_head_dim": (0, MAX_HIDDEN),
+    "v_head_dim": (0, MAX_HIDDEN),
+    "index_topk": (0, MAX_TOKENS),
+    "index_n_heads": (0, MAX_HEADS),
+    "index_head_dim": (0, MAX_HIDDEN),
+}
+BOOLEANS = ("gated_linear_unit", "tie_word_embeddings", "attention_bias", "mlp_bias", "qk_layernorm")
+LAYER_LISTS = ("mlp_layer_types", "indexer_types", "layer_types", "mlp_only_layers")  # at most one entry a layer
+EXPERT_COUNT_KEYS = ("n_routed_experts", "num_experts", "num_local_experts")
+
+
+class ModelConfigError(UserError):
+    """A model config that is there but cannot be read as one (not JSON, not a mapping, refused by transformers)."""
+
+
+def _text_config(cfg: Any, source: str | None = None) -> Mapping[str, Any]:
+    """The decoder's config: ``text_config`` of a multimodal config, else the config itself (both mappings)."""
+    cfg = inputs.mapping("model config", cfg, source=source)
+    inner = cfg.get("text_config")
+    return inputs.mapping("text_config", inner, source=source) if inner else cfg
+
+
+def check_values(cfg: Any, source: str | None = None) -> None:
+    """Every size, switch and per-layer list the config sets is in range (:data:`SIZES`), before anything loops over it.
+
+    Runs before transformers builds the family's config class from the dict: its constructors loop over
+    ``num_hidden_layers`` (a config of 10**9 layers would never return). Raises InputErrors naming every bad value.
+    """
+    configs = [inputs.mapping("model config", cfg, source=source)]
+    if configs[0].get("text_config"):
+        configs.append(_text_config(cfg, source))
+    errors = []
+    for config in configs:
+        r = Reader(config, source=source or "model config")
+        _read_every_value(r)
+        errors += r.errors
+    if errors:
+        raise InputErrors(errors)
+
+
+def _read_every_value(r: Reader) -> None:
+    for key, (minimum, maximum) in SIZES.items():
+        r.integer(key, minimum, maximum, default=None)
+    for key in BOOLEANS:
+        r.boolean(key, default=None)
+    for key in LAYER_LISTS:
+        r.value(key, _layer_list, default=None)
+
+
+def _layer_list(key: str, value: Any) -> list[Any]:
+    if isinstance(value, str | bytes) or not isinstance(value, Sequence) or len(value) > MAX_LAYERS:
+        raise InputError(key, value, f"a list of at most {MAX_LAYERS} entries (one a layer)")
+    return list(value)
+
+
+def _per_layer(r: Reader, key: str, layers: int | None, kinds: tuple[str, ...]) -> list[str] | None:
+    """A list of one of ``kinds`` per layer (``mlp_layer_types``, ``indexer_types``), or None when unset or bad."""
+
+    def parse(name: str, value: Any) -> list[str]:
+        allowed = f"a list of {' or '.join(map(repr, kinds))}, one for each of the {layers} layers"
+        if isinstance(value, str | bytes) or not isinstance(value, Sequence) or len(value) != layers:
+            raise InputError(name, value, allowed, source=r.source)
+        if any(not isinstance(kind, str) or kind not in kinds for kind in value):
+            raise InputError(name, value, allowed, source=r.source)
+        return list(value)
+
+    return r.value(key, parse, default=None) if layers else None
+
+
+def _mla_fields(r: Reader, heads: int | None, layers: int | None) -> dict[str, Any]:
     """Multi-latent attention's fields, and the DSA indexer's (GLM-5.2's full / shared layers) when it has one."""
-    layers = cfg["num_hidden_layers"]
-    for key in ("qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"):
-        if cfg.get(key) is None:
-            raise ValueError(f"model config ({model_type}) uses MLA (kv_lora_rank) but has no {key!r}")
+
+    def size(key: str, default: Any = _MISSING) -> Any:
+        return r.integer(key, *SIZES[key], **({} if default is _MISSING else {"default": default}))
+
+    nope, rope, v = size("qk_nope_head_dim"), size("qk_rope_head_dim"), size("v_head_dim")
+    if nope is not None and rope is not None:
+        r.rule(nope + rope >= 1, "qk_nope_head_dim + qk_rope_head_dim", nope + rope, "at least 1 (a query-key head)")
+    r.rule(v is None or v >= 1, "v_head_dim", v, "at least 1 with MLA (kv_lora_rank)")
     mla: dict[str, Any] = dict(
-        num_query_groups=cfg["num_attention_heads"],  # MLA: every head has its own (decompressed) key and value
-        head_dim=cfg["qk_nope_head_dim"] + cfg["qk_rope_head_dim"],
-        q_lora_rank=cfg.get("q_lora_rank"),
-        kv_lora_rank=cfg["kv_lora_rank"],
-        qk_nope_head_dim=cfg["qk_nope_head_dim"],
-        qk_rope_head_dim=cfg["qk_rope_head_dim"],
-        v_head_dim=cfg["v_head_dim"],
+        num_query_groups=heads,  # MLA: every head has its own (decompressed) key and value
+        head_dim=(nope or 0) + (rope or 0),
+        q_lora_rank=size("q_lora_rank", None),
+        kv_lora_rank=size("kv_lora_rank"),
+        qk_nope_head_dim=nope,
+        qk_rope_head_dim=rope,
+        v_head_dim=v,
     )
-    if cfg.get("index_topk"):
-        for key in ("index_n_heads", "index_head_dim"):
-            if cfg.get(key) is None:
-                raise ValueError(f"model config ({model_type}) has a DSA indexer but no {key!r}")
-        mla.update(
-            index_n_heads=cfg["index_n_heads"],
-            index_head_dim=cfg["index_head_dim"],
-            index_topk=cfg["index_topk"],
-            index_share=model_type == "glm_moe_dsa",
-        )
-        kinds = cfg.get("indexer_types")
-        if kinds is not None:
-            if len(kinds) != layers or set(kinds) - {"full", "shared"}:
-                raise ValueError(
-                    f"model config ({model_type}): indexer_types must list 'full' or 'shared' for each of "
-                    f"the {layers} layers"
-                )
-            if "shared" in kinds:
-                mla["indexer_full"] = tuple(kind == "full" for kind in kinds)
+    if size("index_topk", None):
+        heads, dim = size("index_n_heads"), size("index_head_dim")
+        r.rule(heads is None or heads >= 1, "index_n_heads", heads, "at least 1 with a DSA indexer (index_topk)")
+        r.rule(dim is None or dim >= 1, "index_head_dim", dim, "at least 1 with a DSA indexer (index_topk)")
+        model_type = r.root.get("model_type")
+        mla.update(index_n_heads=heads, index_head_dim=dim, index_topk=size("index_topk"),
+                   index_share=model_type == "glm_moe_dsa")  # fmt: skip
+        kinds = _per_layer(r, "indexer_types", layers, ("full", "shared"))
+        if kinds is not None and "shared" in kinds:
+            mla["indexer_full"] = tuple(kind == "full" for kind in kinds)
     return mla
 
 
-def _moe_layers(model_type: str, cfg: dict[str, Any], layers: int) -> list[bool]:
+def _moe_layers(model_type: str, r: Reader, cfg: Mapping[str, Any], layers: int | None) -> tuple[bool, ...]:
     """Which layers are MoE, by the rule the family's transformers modelling code applies."""
+    if not layers:
+        return ()
     if cfg.get("mlp_layer_types"):  # glm_moe_dsa
-        return [kind == "sparse" for kind in cfg["mlp_layer_types"]]
+        kinds = _per_layer(r, "mlp_layer_types", layers, ("dense", "sparse"))
+        return tuple(kind == "sparse" for kind in kinds or ())
     if model_type in ("qwen3_moe", "qwen2_moe") or "decoder_sparse_step" in cfg or "mlp_only_layers" in cfg:
-        step, only = cfg.get("decoder_sparse_step") or 1, set(cfg.get("mlp_only_layers") or ())
-        return [i not in only and (i + 1) % step == 0 for i in range(layers)]
-    first = cfg.get("first_k_dense_replace")
-    first = (3 if model_type == "glm_moe_dsa" else 0) if first is None else first
-    freq = cfg.get("moe_layer_freq") or 1
-    return [i >= first and i % freq == 0 for i in range(layers)]
+        step = r.integer("decoder_sparse_step", *SIZES["decoder_sparse_step"], default=1)
+
+        def indices(key: str, value: Any) -> set[int]:
+            allowed = f"a list of layer numbers from 0 to {layers - 1}"
+            if isinstance(value, str | bytes) or not isinstance(value, Sequence) or len(value) > MAX_LAYERS:
+                raise InputError(key, value, allowed, source=r.source)
+            return {inputs.integer(key, i, minimum=0, maximum=layers - 1, source=r.source) for i in value}
+
+        only = r.value("mlp_only_layers", indices, default=set())
+        return tuple(i not in (only or ()) and (i + 1) % (step or 1) == 0 for i in range(layers))
+    first = r.integer("first_k_dense_replace", *SIZES["first_k_dense_replace"],
+                      default=3 if model_type == "glm_moe_dsa" else 0)  # fmt: skip
+    freq = r.integer("moe_layer_freq", *SIZES["moe_layer_freq"], default=1)
+    return tuple(i >= (first or 0) and i % (freq or 1) == 0 for i in range(layers))
 
 
 def load_config(config: Any) -> dict[str, Any]:
     """The HF config as a dict: a PretrainedConfig, a dict, a path or model dir, an offline model id, "glm5" or
-    "glm5.2"."""
+    "glm5.2".
+
+    Raises ModelConfigError or InputErrors (UserErrors) for a config that is there but unusable (not JSON, values out
+    of range, refused by transformers), and a plain ValueError when there is no such file, directory or cached id.
+    """
     if isinstance(config, dict):
+        check_values(config)
         return _with_family_defaults(config)
     if hasattr(config, "to_dict"):  # a transformers PretrainedConfig: defaults already applied
         return config.to_dict()
@@ -320,20 +452,43 @@ def load_config(config: Any) -> dict[str, Any]:
     if path.is_dir():
         path = path / "config.json"
     if path.is_file():
-        return _with_family_defaults(json.loads(path.read_text()))
+        try:
+            cfg = json.loads(path.read_text(encoding="utf-8"))
+        except ValueError as exc:  # JSONDecodeError, UnicodeDecodeError
+            raise ModelConfigError(f"{path}: not a JSON model config ({exc})") from None
+        check_values(cfg, source=str(path))
+        return _with_family_defaults(cfg, source=str(path))
     from transformers import AutoConfig
 
     try:
         return AutoConfig.from_pretrained(name, local_files_only=True).to_dict()
     except OSError as exc:
         raise ValueError(f"{name!r}: not a config file, model directory or locally cached model id ({exc})") from exc
+    except _refusals() as exc:  # a cached model whose config its family's class refuses
+        raise _refused("cached", exc, name) from None
 
 
-def _with_family_defaults(cfg: dict[str, Any]) -> dict[str, Any]:
+def _with_family_defaults(cfg: dict[str, Any], source: str | None = None) -> dict[str, Any]:
     """A config.json dict completed with transformers' defaults for its family (known families only)."""
     model_type = cfg.get("model_type")
     if model_type not in KNOWN_TYPES:
         return cfg
     from transformers import AutoConfig
 
-    return AutoConfig.for_model(model_type, **{k: v for k, v in cfg.items() if k != "model_type"}).to_dict()
+    try:
+        return AutoConfig.for_model(model_type, **{k: v for k, v in cfg.items() if k != "model_type"}).to_dict()
+    except _refusals() as exc:  # transformers' own validation of the family's fields
+        raise _refused(model_type, exc, source) from None
+
+
+def _refusals() -> tuple[type[Exception], ...]:
+    """What transformers raises for a config its family's class refuses (huggingface_hub's strict dataclasses)."""
+    from huggingface_hub.errors import StrictDataclassError
+
+    return TypeError, ValueError, StrictDataclassError
+
+
+def _refused(model_type: Any, exc: Exception, source: str | None) -> ModelConfigError:
+    where = f"{source}: " if source else ""
+    text = " ".join(str(exc).split())
+    return ModelConfigError(f"{where}transformers' {model_type} config refuses it: {text[:500]}")

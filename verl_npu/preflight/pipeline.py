@@ -13,14 +13,17 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from verl_npu.checks import FAIL, OK, WARN, Check, failed
+from verl_npu.errors import UserError
 from verl_npu.preflight.model import FROM_BESIDE_SCRIPT, FROM_NAME
 from verl_npu.preflight.report import PreflightReport
 
 if TYPE_CHECKING:
     from verl_npu.engine.build_plan import BuildPlan
+    from verl_npu.preflight.config_check import ConfigSearch
     from verl_npu.preflight.launch import Launch
     from verl_npu.preflight.mesh import TrainMesh
     from verl_npu.preflight.model_shape import ModelShape
+    from verl_npu.preflight.values import LaunchValues
     from verl_npu.preflight.worker import PreflightWorker
 
 ASCEND = "ascend"  # every chip of the stack manifest (a2, a3) is an Ascend NPU
@@ -51,6 +54,13 @@ def target(chip: str, platform: str | None = None) -> Target:
     return Target(chip, platform, chips[chip].hbm_gib * GiB)
 
 
+def host_memory(gib: Any) -> float | None:
+    """``--host-memory-gib``: a finite number of GiB > 0 (None: not given; 0 is not "not given")."""
+    from verl_npu import inputs
+
+    return None if gib is None else inputs.number("--host-memory-gib", gib, above=0, maximum=inputs.MAX_GIB)
+
+
 @dataclasses.dataclass(frozen=True)
 class _Request:
     """One preflight's inputs besides the launch."""
@@ -59,6 +69,16 @@ class _Request:
     model_config: str | None
     env: Mapping[str, str]
     host_memory_gib: float | None
+
+
+@dataclasses.dataclass(frozen=True)
+class _Composition:
+    """What Hydra composes: the config name, the overrides (placeholders as sentinels) and where the configs are."""
+
+    config_name: str | None
+    overrides: tuple[str, ...]
+    search: ConfigSearch
+    unknowns: Mapping[str, str]  # sentinel -> the placeholder it stands for (verl_npu.preflight.unknowns)
 
 
 def run_preflight(
@@ -72,28 +92,50 @@ def run_preflight(
     host_memory_gib: float | None = None,
     use_cache: bool = True,
 ) -> PreflightReport:
-    """Every check on one launch: a script (``extra`` are its "$@") or, without a script, overrides."""
+    """Every check on one launch: a script (``extra`` are its "$@") or, without a script, overrides.
+
+    ``host_memory_gib``: host RAM per node (> 0; None: not checked). Raises a UserError for a bad option or launch.
+    """
+    host_memory_gib = host_memory(host_memory_gib)
     launch, source = read_launch(script, extra, dict(env or {}))
     report = PreflightReport(source, chip, launch_checks(launch), list(launch.overrides))
-    if launch.module is None:
+    composition = composition_of(report, launch) if launch.module is not None else None
+    if composition is None:
         target(chip, platform)  # an unknown chip or platform is an error whatever the launch
         return report
-    worker = start_worker(script, launch, model_config, use_cache)  # first: its imports are the critical path
+    worker = start_worker(script, composition, model_config, use_cache)  # first: its imports are the critical path
     try:
         request = _Request(target(chip, platform), model_config, dict(env or {}), host_memory_gib)
-        _check(report, launch, worker, request)
+        _check(report, launch, composition, worker, request)
     finally:
         worker.cancel()
+    _show_placeholders(report, composition.unknowns)
     return report
 
 
-def _check(report: PreflightReport, launch: Launch, worker: PreflightWorker, request: _Request) -> None:
-    """Compose, validate, build plans, mesh, memory: each step adds its checks; a step that fails ends it."""
+def _show_placeholders(report: PreflightReport, mapping: Mapping[str, str]) -> None:
+    """Every message that quotes a sentinel shows the launch's placeholder instead (verl_npu.preflight.unknowns)."""
+    from verl_npu.preflight import unknowns
+
+    report.checks[:] = [
+        dataclasses.replace(c, detail=unknowns.restore(c.detail, mapping), fix=unknowns.restore(c.fix, mapping))
+        for c in report.checks
+    ]
+
+
+def _check(
+    report: PreflightReport, launch: Launch, composition: _Composition, worker: PreflightWorker, request: _Request
+) -> None:
+    """Compose, read the values, validate, build plans, mesh, memory: each step adds its checks.
+
+    Every value the later steps compute with is parsed first (:mod:`verl_npu.preflight.values` for the launch,
+    :meth:`ModelShape.from_dict` for the model): one FAIL check per bad value, and then no step computes with them.
+    """
     from verl_npu.preflight import config_check
-    from verl_npu.preflight.model_shape import ModelShape
+    from verl_npu.preflight.values import read_model_path
 
     before = len(report.checks)
-    config = compose(report, launch, worker)
+    config = compose(report, composition, worker)
     if config is None:
         return
     position = len(report.checks)  # verl's own validation is reported right after composition
@@ -101,23 +143,43 @@ def _check(report: PreflightReport, launch: Launch, worker: PreflightWorker, req
     resolved = resolve(report, config)
     if resolved is None:
         return
+    values = launch_values(report, resolved)
+    model_path, path_checks = read_model_path(resolved)
+    report.checks += path_checks
     launch_env = {**request.env, **launch.env}
     report.checks += config_check.rollout_environment_checks(resolved, launch_env)
     if worker.running:
         _prefetch()
-    hf = validate(report, worker, config, compose_checks, resolved, request.model_config, position)
+    hf = validate(report, worker, config, compose_checks, model_path, request.model_config, position)
     if hf is None:
         return
     stand_in = report.model_origin in (FROM_BESIDE_SCRIPT, FROM_NAME)  # the model path's name is evidence too
-    model_path = resolved["actor_rollout_ref"]["model"].get("path")
     platform = request.target.platform
     report.checks += config_check.rollout_model_checks(resolved, hf, launch_env, platform, model_path, stand_in)
-    plans = build_plans(report, resolved, hf, request.target)
-    shape = ModelShape.from_dict(hf)
-    report.model = shape.describe()
-    actor_mesh = mesh(report, resolved, shape)
-    if actor_mesh is not None and "actor" in plans:
-        memory(report, resolved, shape, actor_mesh, plans["actor"], request)
+    shape = model_shape(report, hf)
+    if values is None or shape is None:
+        report.checks.append(
+            Check(
+                "config.not-computed",
+                WARN,
+                "the engine's build plans, the device mesh and the memory estimate were not computed: fix the "
+                "values above first (no step computes with a value out of range)",
+            )
+        )
+        return
+    plans = build_plans(report, resolved, values, hf, request.target)
+    actor_mesh = mesh(report, values, shape)
+    if values.actor is None:
+        report.checks.append(
+            Check(
+                "memory.not-checked",
+                WARN,
+                f"actor strategy {values.strategy}: the memory estimate models "
+                "Megatron engines only; no HBM or host RAM estimate",
+            )
+        )
+    elif actor_mesh is not None and "actor" in plans:
+        memory(report, values, shape, actor_mesh, plans["actor"], request)
 
 
 def _prefetch() -> None:
@@ -150,23 +212,39 @@ def launch_checks(launch: Launch) -> list[Check]:
     return checks
 
 
+def composition_of(report: PreflightReport, launch: Launch) -> _Composition | None:
+    """What Hydra composes for the launch (None, with a FAIL check, when --config-path/--config-dir are unusable)."""
+    from verl_npu.preflight import config_check
+
+    try:
+        search = config_check.config_search(launch.config_path, launch.config_dir, launch.unknowns)
+    except config_check.ConfigSearchError as exc:
+        report.checks.append(Check("config.config-path", FAIL, str(exc)))
+        return None
+    overrides, mapping = launch.hydra_overrides()
+    return _Composition(launch.config_name, overrides, search, mapping)
+
+
 def start_worker(
-    script: str | Path | None, launch: Launch, model_config: str | None, use_cache: bool
+    script: str | Path | None, composition: _Composition, model_config: str | None, use_cache: bool
 ) -> PreflightWorker:
     """torch, transformers and verl load meanwhile, in a child process (unless the answer is cached)."""
     from verl_npu.preflight.worker import PreflightWorker
 
     beside = Path(script).parent / "config.json" if script is not None else None
     beside_script = str(beside) if beside is not None and beside.is_file() else None
-    return PreflightWorker(launch.config_name, list(launch.overrides), model_config, use_cache, beside_script)
+    c = composition
+    return PreflightWorker(c.config_name, list(c.overrides), model_config, use_cache, beside_script,
+                           c.search.directories)  # fmt: skip
 
 
-def compose(report: PreflightReport, launch: Launch, worker: PreflightWorker) -> Any:
+def compose(report: PreflightReport, composition: _Composition, worker: PreflightWorker) -> Any:
     """verl's DictConfig with the launch's overrides (None when it does not compose); a cached answer has it."""
     from verl_npu.preflight import config_check
 
+    c = composition
     composed = worker.cached_composition()
-    config, checks = composed or config_check.compose_config(launch.config_name, launch.overrides)
+    config, checks = composed or config_check.compose_config(c.config_name, c.overrides, c.search)
     report.checks += checks
     return config
 
@@ -184,59 +262,78 @@ def resolve(report: PreflightReport, config: Any) -> Mapping[str, Any] | None:
         return None
 
 
+def launch_values(report: PreflightReport, resolved: Mapping[str, Any]) -> LaunchValues | None:
+    """The launch's typed view (None, with a FAIL check per bad value, when a value is missing or out of range)."""
+    from verl_npu.preflight.values import read_launch
+
+    values, checks = read_launch(resolved)
+    report.checks += checks
+    return values
+
+
 def validate(
     report: PreflightReport,
     worker: PreflightWorker,
     config: Any,
     compose_checks: list[Check],
-    resolved: Mapping[str, Any],
+    model_path: str | None,
     model_config: str | None,
     position: int,
 ) -> dict[str, Any] | None:
     """verl's own validation (reported at ``position``) and the model's HF config, both from the worker."""
-    model_path = resolved["actor_rollout_ref"]["model"].get("path")
     hf, model_check, verl_checks, report.model_origin = worker.ask(config, model_path, model_config, compose_checks)
     report.checks[position:position] = verl_checks
     report.checks.append(model_check)
     return hf
 
 
+def model_shape(report: PreflightReport, hf: Mapping[str, Any]) -> ModelShape | None:
+    """The model's shape (None, with a FAIL check per bad value, when the config has values out of range)."""
+    from verl_npu.preflight.model_shape import ModelShape
+    from verl_npu.preflight.values import InputErrors
+
+    try:
+        shape = ModelShape.from_dict(hf)
+    except InputErrors as exc:
+        report.checks += [Check("config.model-value", FAIL, str(error)) for error in exc.errors]
+        return None
+    except UserError as exc:  # the config is not a mapping at all
+        report.checks.append(Check("config.model-value", FAIL, str(exc)))
+        return None
+    report.model = shape.describe()
+    return shape
+
+
 def build_plans(
-    report: PreflightReport, resolved: Mapping[str, Any], hf: Mapping[str, Any], where: Target
+    report: PreflightReport, resolved: Mapping[str, Any], values: LaunchValues, hf: Mapping[str, Any], where: Target
 ) -> dict[str, BuildPlan]:
     """Each Megatron role's build plan on the target's platform (every violated rule of every role reported)."""
     from verl_npu.preflight import config_check
 
-    plans, checks = config_check.engine_plans(resolved, hf, where.platform)
+    plans, checks = config_check.engine_plans(resolved, values, hf, where.platform)
     report.checks += checks
     return plans
 
 
-def mesh(report: PreflightReport, resolved: Mapping[str, Any], shape: ModelShape) -> TrainMesh | None:
-    """Every role's device mesh; the actor's (None when a mesh check failed)."""
+def mesh(report: PreflightReport, values: LaunchValues, shape: ModelShape) -> TrainMesh | None:
+    """Every role's device mesh; the actor's (None when a mesh check failed, or the actor is not Megatron)."""
     from verl_npu.preflight import mesh as mesh_checks
 
-    checks, actor_mesh = mesh_checks.check_mesh(resolved, shape.num_layers, shape.num_experts)
+    checks, actor_mesh = mesh_checks.check_mesh(values, shape.num_layers, shape.num_experts)
     report.checks += checks
     return None if failed(checks) else actor_mesh
 
 
 def memory(
     report: PreflightReport,
-    resolved: Mapping[str, Any],
+    values: LaunchValues,
     shape: ModelShape,
     actor_mesh: TrainMesh,
     plan: BuildPlan,
     request: _Request,
 ) -> None:
     """The actor's HBM per pipeline stage and host RAM per node, as its build plan builds it on the target."""
-    from verl_npu.dtypes import DtypeError
     from verl_npu.preflight.memory_plan import estimate_launch
 
-    try:
-        report.memory, checks = estimate_launch(
-            resolved, shape, actor_mesh, plan, request.target, request.host_memory_gib
-        )
-    except DtypeError as exc:
-        checks = [Check("memory.dtype", FAIL, f"actor: {exc}")]
+    report.memory, checks = estimate_launch(values, shape, actor_mesh, plan, request.target, request.host_memory_gib)
     report.checks += checks

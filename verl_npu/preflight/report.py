@@ -124,16 +124,43 @@ def print_report(report: PreflightReport, console: Console) -> None:
         console.print(f"[bold red]NO-GO[/]: {shared_checks.summary(report.checks)}")
 
 
+# what matplotlib's Agg canvas writes, by file suffix (savefig's format)
+PLOT_FORMATS = ("png", "pdf", "svg", "svgz", "eps", "ps", "jpg", "jpeg", "tif", "tiff", "webp")
+
+
+def output_path(option: str, value: str, *, plot: bool = False) -> Path:
+    """A file preflight will write (``--json``, ``--plot``), checked before any work: its directory exists and is
+    writable, it is not a directory, and a plot's suffix names a format. Raises InputError naming the option."""
+    from verl_npu.atomic import writable_directory
+    from verl_npu.inputs import InputError
+
+    path = Path(value).expanduser()
+    why = writable_directory(path)
+    if why is not None:
+        raise InputError(option, value, f"a file in an existing, writable directory ({why})")
+    if path.is_dir():
+        raise InputError(option, value, "a file name (it is a directory)")
+    if plot and path.suffix.lower().lstrip(".") not in PLOT_FORMATS:
+        raise InputError(option, value, f"a file name ending in one of .{', .'.join(PLOT_FORMATS)}")
+    return path
+
+
 def write_json(report: PreflightReport, path: Path) -> None:
-    path.write_text(json.dumps(report.to_dict(), indent=2, default=str) + "\n")
+    """The report as JSON, written whole or not at all (verl_npu.atomic)."""
+    from verl_npu import atomic
+
+    atomic.write_text(path, json.dumps(report.to_dict(), indent=2, default=str) + "\n")
 
 
 def plot(report: PreflightReport, path: Path) -> None:
     """A stacked bar per pipeline stage: the memory components and what is free, against capacity."""
     if report.memory is None:
         raise ValueError("no memory estimate to plot (an earlier check failed); see the report")
+    import io
+
     import matplotlib
 
+    from verl_npu import atomic
     from verl_npu.preflight.memory import GiB
 
     matplotlib.use("Agg")  # files only: preflight runs on headless machines
@@ -157,5 +184,7 @@ def plot(report: PreflightReport, path: Path) -> None:
     ax.set_xticks(stages)
     ax.legend(loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize="small")
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    image = io.BytesIO()
+    fig.savefig(image, dpi=120, format=path.suffix.lower().lstrip(".") or "png")
     plt.close(fig)
+    atomic.write_bytes(path, image.getvalue())  # whole or not at all

@@ -7,14 +7,22 @@ expanded as bash would, and records findings (unset variables, syntax errors) on
 
 Static on purpose: the scripts it reads may start Ray, write files or submit jobs, and must be safe to read anywhere.
 What only running a command would tell (``$(...)``, values assigned under ``if`` or in loops) is kept as a visible
-placeholder such as ``<$(uname -m)>`` and reported.
+placeholder such as ``<$(uname -m)>`` and reported; :attr:`StaticShell.placeholders` lists every one made.
+
+Bounded on purpose too, since a script is input from outside: arithmetic is bash's 64-bit arithmetic with a depth
+limit (:mod:`verl_npu.preflight.arith`), a value longer than :data:`MAX_VALUE_CHARS` (or an array of more than
+:data:`MAX_ARRAY_ITEMS`) becomes a placeholder, evaluation stops after :data:`MAX_STEPS` statements, and ``source``
+reads regular files of at most :data:`MAX_SCRIPT_BYTES` only (never a FIFO or ``/dev/stdin``, which could block
+forever). What is beyond a bound is reported as a warning ("could not evaluate ..."), never guessed.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
-import operator
+import os
 import re
+import stat
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, replace
 from fnmatch import fnmatchcase
@@ -22,6 +30,8 @@ from pathlib import Path
 
 import tree_sitter_bash
 from tree_sitter import Language, Node, Parser
+
+from verl_npu.preflight.arith import Arith, ArithError, Limit
 
 NAME = re.compile(r"[A-Za-z_]\w*")
 # $(dirname "$0") and $(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd) name the script's own folder: known statically.
@@ -31,14 +41,84 @@ _SHELL_PROVIDED = re.compile(r"PWD|OLDPWD|HOME|USER|HOSTNAME|UID|EUID|RANDOM|SEC
 # IFS whitespace, except inside a <$(...)> placeholder, which stands for one unknown value.
 _SPLIT = re.compile(r"[ \t\n]+(?=[^<>]*(?:<|$))")
 _ANSI = {"n": "\n", "t": "\t", "r": "\r", "a": "\a", "b": "\b", "e": "\x1b", "f": "\f", "v": "\v"}
-_ARITH = {"+": operator.add, "-": operator.sub, "*": operator.mul, "**": operator.pow, "<<": operator.lshift}
-_ARITH |= {">>": operator.rshift, "&": operator.and_, "|": operator.or_, "^": operator.xor}
 _BLOCKS = {"if_statement": "an if block", "case_statement": "a case block", "while_statement": "a while/until loop"}
 _BLOCKS |= {"for_statement": "a for loop", "c_style_for_statement": "a for loop"}
 CHAINS = {"pipeline", "list", "redirected_statement", "negated_command"}
 _DECLARE = {"export", "declare", "local", "readonly", "typeset"}
 LIT, QUOTED, UNQUOTED, BREAK = "lit", "quoted", "unquoted", "break"  # kinds of word pieces, see _fields
 Pieces = list[tuple[str, str]]
+
+# Bounds on the work one script can ask for (module docstring); no real launch script comes near them.
+MAX_SCRIPT_BYTES = 4 << 20  # one script or sourced file
+MAX_VALUE_CHARS = 1 << 20  # one variable's value or one word
+MAX_ARRAY_ITEMS = 1 << 16  # one array
+MAX_STEPS = 20_000  # statements evaluated, functions and sourced files included
+MAX_TRIM_CHARS = 1 << 14  # ${x#pattern} and friends try every cut of the value: quadratic in its length
+# what bash expands inside $((...)) before it evaluates the text
+_ARITH_EXPANSIONS = {"simple_expansion", "expansion", "command_substitution", "arithmetic_expansion", "string"}
+_ARITH_EXPANSIONS |= {"raw_string", "ansi_c_string"}
+
+
+class _Unknown(Exception):
+    """An arithmetic operand holds a value only running the script would tell."""
+
+
+class _Abandoned(Exception):
+    """Bash failed on an expansion ($((1/0)), a bad subscript): it abandons the file's current top-level command."""
+
+
+class TooLarge(Exception):
+    """A word or value would hold more than MAX_VALUE_CHARS characters (raised before it is joined)."""
+
+
+def _bounded(pieces: Pieces) -> Pieces:
+    # pieces refer to values already held; only joining them would allocate, so the size is checked first
+    if sum(len(text) for _, text in pieces) > MAX_VALUE_CHARS:
+        raise TooLarge
+    return pieces
+
+
+def _short(text: str, limit: int = 80) -> str:
+    """Script text for a message: one line, at most ``limit`` characters."""
+    text = " ".join(text.split())
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+class ScriptFileError(OSError):
+    """A script or sourced file that is not read: not a regular file, too large, or unreadable."""
+
+
+def read_script_file(path: Path, limit: int = MAX_SCRIPT_BYTES) -> bytes:
+    """The bytes of a regular file of at most ``limit`` bytes, read without ever blocking.
+
+    Opened non-blocking and checked on the open descriptor (no race with a file swapped in between): a FIFO,
+    a terminal, ``/dev/stdin`` or a device would block or never end, so only regular files are read.
+    """
+    if "\0" in str(path):
+        raise ScriptFileError("the path holds a NUL byte")
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_NOCTTY", 0))
+    except OSError as exc:
+        raise ScriptFileError(exc.strerror or str(exc)) from None
+    try:
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode):
+            raise ScriptFileError("not a regular file (a pipe, device or terminal is never read: it may block)")
+        if info.st_size > limit:
+            raise ScriptFileError(f"larger than {limit >> 20} MiB ({info.st_size} bytes)")
+        chunks, total = [], 0
+        while chunk := os.read(fd, 1 << 16):
+            total += len(chunk)
+            if total > limit:  # it grew while being read
+                raise ScriptFileError(f"larger than {limit >> 20} MiB")
+            chunks.append(chunk)
+        return b"".join(chunks)
+    finally:
+        os.close(fd)
+
+
+def _size(value: str | list[str]) -> int:
+    return sum(map(len, value)) + len(value) if isinstance(value, list) else len(value)
 
 
 @dataclass(frozen=True)
@@ -94,7 +174,7 @@ def node_line(node: Node) -> int:
 
 
 def node_text(node: Node) -> str:
-    return (node.text or b"").decode()
+    return (node.text or b"").decode(errors="replace")  # a script is bytes: not every one is UTF-8
 
 
 def _unescape(s: str, quoted: bool) -> str:
@@ -111,6 +191,7 @@ def _ansi(m: re.Match) -> str:
 
 def _fields(pieces: Pieces) -> list[str]:
     """Bash word splitting: only unquoted expansions split, and a quoted empty string is still a word."""
+    _bounded(pieces)
     out: list[str] = []
     cur, have = "", False
     for kind, text in pieces:
@@ -132,19 +213,12 @@ def _fields(pieces: Pieces) -> list[str]:
 
 def join_pieces(pieces: Pieces) -> str:
     """An assignment's value: no word splitting, "$@" joined by spaces."""
+    _bounded(pieces)
     return "".join(" " if kind == BREAK else text for kind, text in pieces)
 
 
 def scalar(value: str | list[str]) -> str:
     return " ".join(value) if isinstance(value, list) else value
-
-
-def _int(text: str) -> int:
-    text = text.strip()
-    if "#" in text:
-        base, digits = text.split("#", 1)
-        return int(digits, int(base))
-    return int(text, 8) if re.fullmatch(r"0[0-7]+", text) else int(text, 0) if text else 0
 
 
 def _trim(value: str, op: str, pattern: str) -> str:
@@ -158,11 +232,15 @@ def _trim(value: str, op: str, pattern: str) -> str:
 
 
 def descendants(node: Node, kind: str) -> Iterator[Node]:
-    for child in node.named_children:
+    """The nodes of ``kind`` below ``node`` in document order, not inside a substitution (iterative: arithmetic such
+    as ``1+1+...+1`` nests as deep as it is long)."""
+    stack = list(reversed(node.named_children))
+    while stack:
+        child = stack.pop()
         if child.type == kind:
             yield child
         if child.type not in ("command_substitution", "process_substitution"):
-            yield from descendants(child, kind)
+            stack.extend(reversed(child.named_children))
 
 
 class StaticShell:
@@ -177,6 +255,9 @@ class StaticShell:
         self.functions: dict[str, tuple[Node, Path]] = {}
         self.active: list[object] = []  # files being sourced and functions running: recursion guard
         self.findings: list[Finding] = []
+        self.placeholders: dict[str, None] = {}  # every <...> made for a value only running the script would tell
+        self.steps = 0  # statements evaluated (MAX_STEPS)
+        self.stopped = False  # past MAX_STEPS: nothing more is evaluated
 
     TARGET = "the command"  # what the messages call a recognised command
 
@@ -210,10 +291,23 @@ class StaticShell:
                 msg = f"line {node_line(bad)} is not valid bash (near {node_text(bad).split(chr(10))[0][:40]!r}); "
                 msg += f"{self.TARGET} may be misread: check it with `bash -n`"
                 self.report("error", "unparsed", node_line(bad), msg)
-            self._block(tree.root_node)
+            for statement in tree.root_node.named_children:
+                with contextlib.suppress(_Abandoned):  # bash goes on with the file's next top-level command
+                    self._stmt(statement)
+        except RecursionError:  # constructs nested thousands deep: the rest of this file is not evaluated
+            msg = f"could not evaluate {path.name}: its constructs nest deeper than preflight follows; "
+            msg += f"{self.TARGET} may be misread"
+            self.report("error", "unparsed", None, msg)
         finally:
             self.file = outer
             self.active.pop()
+
+    def placeholder(self, text: str, ctx: Taint, message: str, line: int | None) -> str:
+        """The visible stand-in ``<text>`` for a value only running the script would tell, reported via ``ctx``."""
+        marker = f"<{text}>"
+        self.placeholders[marker] = None
+        ctx.unknown[message] = line
+        return marker
 
     def _errors(self, node: Node) -> Iterator[Node]:
         if node.is_missing:
@@ -232,8 +326,26 @@ class StaticShell:
             self._stmt(child)
 
     def _stmt(self, node: Node) -> None:
+        if self.stopped:
+            return
+        self.steps += 1
+        if self.steps > MAX_STEPS:
+            self.stopped = True
+            msg = f"could not evaluate the script past line {node_line(node)}: more than {MAX_STEPS} statements "
+            msg += f"(functions and sourced files included); {self.TARGET} may be misread"
+            self.report("warning", "unresolved", node_line(node), msg)
+            return
+        try:
+            self._statement(node)
+        except TooLarge:  # anywhere else (a pattern, a default's text): the statement is not evaluated
+            msg = f"could not evaluate line {node_line(node)}: a value in it would be longer than {MAX_VALUE_CHARS} "
+            self.report("warning", "unresolved", node_line(node), msg + f"characters; {self.TARGET} may be misread")
+
+    def _statement(self, node: Node) -> None:
         kind = node.type
-        if kind == "variable_assignment":
+        if kind == "compound_statement" and node.children and node.children[0].type == "((":
+            self._calc(node, Taint(), lo=node.children[0].end_byte, hi=node.children[-1].start_byte, stops=False)
+        elif kind == "variable_assignment":
             self._assign(node)
         elif kind in ("variable_assignments", "pipeline", "list", "negated_command", "compound_statement", "ERROR"):
             self._block(node)
@@ -276,16 +388,19 @@ class StaticShell:
     def _assign(self, node: Node, export: bool = False) -> None:
         target, value = node.child_by_field_name("name"), node.child_by_field_name("value")
         ctx, name, index = Taint(), node_text(target), None
-        if value is None:
-            val: str | list[str] = ""
-        elif value.type == "array":
-            elements = (self._fields(el, ctx) for el in value.named_children if el.type != "comment")
-            val = [re.sub(r"^\[[^]]*\]=", "", w) if i == 0 else w for ws in elements for i, w in enumerate(ws)]
-        else:
-            val = join_pieces(self._tilde(self._pieces(value, ctx), ctx, node_line(value)))
         if target.type == "subscript":
             name = node_text(target.child_by_field_name("name"))
+        try:
+            val = self._value(value, ctx)
+        except TooLarge:
+            ctx = Taint()
+            msg = f"could not evaluate ${name}: its value would be longer than {MAX_VALUE_CHARS} characters; "
+            val = self.placeholder(f"${name}", ctx, msg + f"{self.TARGET} gets <${name}>", node_line(node))
+        if target.type == "subscript":
             index = self._calc(target.child_by_field_name("index"), ctx) or 0
+            items = self.vars.get(name)
+            if index < 0:  # from the end, as bash counts it
+                index += len(items) if isinstance(items, list) else (0 if items is None else 1)
         old = self.vars.get(name)
         if index is not None or any(c.type == "+=" for c in node.children):
             ctx.merge(self.taint.get(name))
@@ -296,17 +411,32 @@ class StaticShell:
                 val = [*items, *(val if isinstance(val, list) else [val])]
             else:
                 val = (old or "") + val
-        self._set(name, val, ctx)
+        self._set(name, val, ctx, node_line(node))
         if export:
             self.exported.add(name)
         self._required(ctx)
 
-    def _set(self, name: str, val: str | list[str], ctx: Taint) -> None:
-        if not self.probing:
-            self.vars[name], self.taint[name] = val, ctx
-            self.uncertain.pop(name, None)
-            if self.allexport:
-                self.exported.add(name)
+    def _value(self, value: Node | None, ctx: Taint) -> str | list[str]:
+        """An assignment's value: a string, or an array's words (raises TooLarge beyond MAX_VALUE_CHARS)."""
+        if value is None:
+            return ""
+        if value.type == "array":
+            elements = (self._fields(el, ctx) for el in value.named_children if el.type != "comment")
+            return [re.sub(r"^\[[^]]*\]=", "", w) if i == 0 else w for ws in elements for i, w in enumerate(ws)]
+        return join_pieces(self._tilde(self._pieces(value, ctx), ctx, node_line(value)))
+
+    def _set(self, name: str, val: str | list[str], ctx: Taint, line: int | None = None) -> None:
+        if self.probing:
+            return
+        if _size(val) > MAX_VALUE_CHARS or (isinstance(val, list) and len(val) > MAX_ARRAY_ITEMS):
+            limits = f"more than {MAX_VALUE_CHARS} characters or {MAX_ARRAY_ITEMS} items"
+            ctx = Taint()
+            val = self.placeholder(f"${name}", ctx, f"could not evaluate ${name}: its value would hold {limits}; "
+                                   f"{self.TARGET} gets <${name}>", line)  # fmt: skip
+        self.vars[name], self.taint[name] = val, ctx
+        self.uncertain.pop(name, None)
+        if self.allexport:
+            self.exported.add(name)
 
     def _required(self, ctx: Taint) -> None:
         for name, msg, line in ctx.required:
@@ -329,16 +459,20 @@ class StaticShell:
         if name_node is None:
             return
         ctx = Taint()
-        words = self._fields(name_node, ctx)
+        words = self._word(name_node, ctx)
         # an unresolvable "$PYTHON" may well be the interpreter: judged by the -m that follows
         loose = b"$" in (name_node.text or b"") and bool(ctx.unknown or ctx.unset or ctx.required)
         words = words or ([f"<{node_text(name_node)}>"] if loose else [])
-        words += [w for arg in node.children_by_field_name("argument") for w in self._fields(arg, ctx)]
+        words += [w for arg in node.children_by_field_name("argument") for w in self._word(arg, ctx)]
         if self.recognize(node, words, loose, prefix, ctx, block):
             return
         if not self.probing:
             self._required(ctx)
-            self._builtin(words, node_line(node))
+            if words[:1] == ["let"]:
+                for expression in words[1:] if not ctx.unknown else ():
+                    self._eval_arith(expression, Taint(), node_line(node), stops=False)
+            else:
+                self._builtin(words, node_line(node))
 
     def _builtin(self, words: list[str], line: int) -> None:
         cmd, rest = (words[0], words[1:]) if words else ("", [])
@@ -351,7 +485,7 @@ class StaticShell:
                 if "a" in letters or opt == "allexport":
                     self.allexport = flag[0] == "-"
         elif cmd == "shift":
-            self.args = self.args[int(rest[0]) if rest and rest[0].isdigit() else 1 :]
+            self.args = self.args[int(rest[0]) if rest and rest[0].isdigit() and len(rest[0]) < 10 else 1 :]
         elif cmd == "unset":
             for name in (w for w in rest if not w.startswith("-")):
                 self.vars.pop(name, None)
@@ -375,16 +509,17 @@ class StaticShell:
                 self.active.pop()
 
     def _source(self, word: str, line: int) -> None:
-        path = Path(word)
+        path = Path(word.replace("\0", "?"))  # a NUL cannot name a file: read_script_file refuses the real word
         if not path.is_absolute():  # relative to the script, never to preflight's own working directory
             dirs = (self.file.parent, self.main.parent)
             path = next((d / path for d in dirs if (d / path).is_file()), self.file.parent / path)
         if path.resolve() in self.active:
             return
         try:
-            data = path.read_bytes()
-        except OSError:
-            msg = f"`source {word}`: {path} cannot be read here, so the variables it sets are unknown to preflight"
+            data = read_script_file(Path(word) if "\0" in word else path)
+        except ScriptFileError as exc:
+            msg = f"`source {word}`: {path} is not read here ({exc}), so the variables it sets are unknown to "
+            msg += "preflight"
             self.report("warning", "unresolved", line, msg)
             return
         self.run_file(path, data)
@@ -393,6 +528,15 @@ class StaticShell:
 
     def _fields(self, node: Node, ctx: Taint) -> list[str]:
         return _fields(self._tilde(self._pieces(node, ctx), ctx, node_line(node)))
+
+    def _word(self, node: Node, ctx: Taint) -> list[str]:
+        """A command word's fields; one placeholder for a word that would be longer than MAX_VALUE_CHARS."""
+        try:
+            return self._fields(node, ctx)
+        except TooLarge:
+            text = node_text(node)
+            msg = f"could not evaluate {_short(text)}: it expands to more than {MAX_VALUE_CHARS} characters; "
+            return [self.placeholder(text, ctx, msg + f"{self.TARGET} gets <{_short(text)}>", node_line(node))]
 
     def _tilde(self, pieces: Pieces, ctx: Taint, line: int) -> Pieces:
         """~ and ~/x, also after NAME= as bash does (but not after data.path=, which is no assignment)."""
@@ -418,17 +562,21 @@ class StaticShell:
         if kind in ("simple_expansion", "expansion"):
             return self._expand(node, ctx, quoted)
         if kind == "arithmetic_expansion":
-            if node.named_children and (value := self._calc(node.named_children[-1], ctx)) is not None:
+            kids, known = node.children, len(ctx.unknown)
+            if len(kids) >= 2 and (value := self._calc(node, ctx, kids[0].end_byte, kids[-1].start_byte)) is not None:
                 return [(QUOTED, str(value))]
-            ctx.unknown[f"{text} cannot be computed statically; {self.TARGET} gets <{text}>"] = node_line(node)
-            return [(QUOTED, f"<{text}>")]
+            if len(ctx.unknown) > known:  # _calc said why (a bound, an unknown variable)
+                self.placeholders[f"<{text}>"] = None
+                return [(QUOTED, f"<{text}>")]
+            msg = f"{_short(text)} cannot be computed statically; {self.TARGET} gets <{_short(text)}>"
+            return [(QUOTED, self.placeholder(text, ctx, msg, node_line(node)))]
         if kind in ("command_substitution", "process_substitution"):
             inner = re.sub(r"[\"']", "", text[2:-1] if text.startswith("$(") else text[1:-1]).strip()
             if m := _SELF_DIR.fullmatch(inner):
                 return [(QUOTED, str((self.main if m[1] == "0" else self.file).absolute().parent))]
-            msg = f"{text} is a command's output, which preflight does not run; {self.TARGET} gets <{text}>"
-            ctx.unknown[msg] = node_line(node)
-            return [(QUOTED, f"<{text}>")]
+            msg = f"{_short(text)} is a command's output, which preflight does not run; {self.TARGET} gets "
+            msg += f"<{_short(text)}>"
+            return [(QUOTED, self.placeholder(text, ctx, msg, node_line(node)))]
         return [(QUOTED, _unescape(text, True))] if quoted else [(lit, _unescape(text, False))]
 
     def _span(self, node: Node, ctx: Taint, lo: int, hi: int, kids, quoted: bool, lit: str) -> Pieces:
@@ -438,7 +586,7 @@ class StaticShell:
 
         def gap(a: int, b: int) -> None:
             if b > a:
-                s = raw[a - node.start_byte : b - node.start_byte].decode()
+                s = raw[a - node.start_byte : b - node.start_byte].decode(errors="replace")
                 out.append((QUOTED, _unescape(s, True)) if quoted else (lit, _unescape(s, False)))
 
         for kid in kids:
@@ -456,8 +604,13 @@ class StaticShell:
         if name == "BASH_SOURCE" and name not in self.vars:
             return [str(self.file.absolute())]
         if name not in self.vars and _SHELL_PROVIDED.fullmatch(name):
-            ctx.unknown[f"${name} belongs to the machine that runs the script; pass it in env to resolve it"] = line
-            return f"<${name}>"
+            msg = f"${name} belongs to the machine that runs the script; pass it in env to resolve it"
+            return self.placeholder(f"${name}", ctx, msg, line)
+        if name not in self.vars and name in self.uncertain:
+            # assigned only inside a block preflight does not evaluate (a loop, an if): unknown, not unset
+            marker = f"<${name}>"
+            self.placeholders[marker] = None
+            return marker
         return self.vars.get(name)
 
     def _expand(self, node: Node, ctx: Taint, quoted: bool) -> Pieces:
@@ -496,7 +649,7 @@ class StaticShell:
             if node_text(index) in ("@", "*"):
                 return name, list(items), node_text(index) == "*"
             i = self._calc(index, ctx) or 0
-            return name, items[i] if i < len(items) else None, False
+            return name, items[i] if -len(items) <= i < len(items) else None, False
         if name in ("@", "*"):
             ctx.passthrough = True
             return name, list(self.args), name == "*"
@@ -509,8 +662,7 @@ class StaticShell:
                 False,
             )
         if target.type == "special_variable_name":
-            ctx.unknown[f"${name} is only known while the script runs"] = line
-            return name, f"<${name}>", False
+            return name, self.placeholder(f"${name}", ctx, f"${name} is only known while the script runs", line), False
         val = self._var(name, ctx, line)
         if isinstance(val, list):  # $ARR is its first element
             val = val[0] if val else None
@@ -544,24 +696,30 @@ class StaticShell:
         val, rest = p.val, p.rest
         values, apply = (val if isinstance(val, list) else [val]), None
         if op in ("#", "##", "%", "%%"):
-            apply = functools.partial(_trim, op=op, pattern=join_pieces(self._operand(p, ctx, True)))
-        elif op in ("/", "//") and (cut := next((k for k in rest[1:] if k.type == "/"), None)):
-            find = join_pieces(self._operand(p, ctx, True, end=cut.start_byte))
-            repl = join_pieces(self._operand(p, ctx, True, lo=cut.end_byte))
-            if not re.search(r"[*?\[]", find):
+            if max(map(len, values), default=0) <= MAX_TRIM_CHARS:  # every cut of the value is tried
+                apply = functools.partial(_trim, op=op, pattern=join_pieces(self._operand(p, ctx, True)))
+        elif op in ("/", "//"):
+            cut = next((k for k in rest[1:] if k.type == "/"), None)  # none: ${x/pattern} deletes the match
+            find = join_pieces(self._operand(p, ctx, True, end=cut.start_byte if cut else 0))
+            repl = join_pieces(self._operand(p, ctx, True, lo=cut.end_byte)) if cut else ""
+            grows = sum(v.count(find) for v in values) * max(len(repl) - len(find), 0) if find else 0
+            if not find:  # bash replaces nothing for an empty pattern
+                apply = str
+            elif not re.search(r"[*?\[]", find) and sum(map(len, values)) + grows <= MAX_VALUE_CHARS:
                 apply = lambda v: v.replace(find, repl, -1 if op == "//" else 1)  # noqa: E731
         elif op in (",,", "^^"):
             apply = str.lower if op == ",," else str.upper
         elif op == ":" and (numbers := [self._calc(k, ctx) for k in rest[1:] if k.type != ":"]) and None not in numbers:
             start = numbers[0] - (p.name == "@")  # ${@:1} starts at $1, which is args[0]
-            stop = start + numbers[1] if len(numbers) > 1 else None
+            # a negative length counts from the end, as bash does for strings
+            stop = (start + numbers[1] if numbers[1] >= 0 else numbers[1]) if len(numbers) > 1 else None
             if isinstance(val, list):
                 return self._out(values[start:stop], p.quoted, p.star)
             apply = lambda v: v[start:stop]  # noqa: E731
         if apply is None:
             text = node_text(p.node)
-            ctx.unknown[f"{text} is not understood by preflight; {self.TARGET} gets <{text}>"] = p.line
-            return [(QUOTED, f"<{text}>")]
+            msg = f"{_short(text)} is not understood by preflight; {self.TARGET} gets <{_short(text)}>"
+            return [(QUOTED, self.placeholder(text, ctx, msg, p.line))]
         mapped = [apply(v) for v in values]
         return self._out(mapped if isinstance(val, list) else mapped[0], p.quoted, p.star)
 
@@ -574,42 +732,83 @@ class StaticShell:
             return [(QUOTED, " ".join(val))]
         return [p for i, v in enumerate(val) for p in ([(BREAK, "")] if i else []) + [(kind, v)]]
 
-    def _calc(self, node: Node, ctx: Taint) -> int | None:
-        try:
-            return self._arith(node, ctx)
-        except (ValueError, ZeroDivisionError):  # unknown values, bad numbers
+    def _calc(
+        self, node: Node | None, ctx: Taint, lo: int | None = None, hi: int | None = None, stops: bool = True
+    ) -> int | None:
+        """Bash arithmetic on ``node``'s text (bytes ``lo``..``hi`` of it), its expansions done first; None: unknown.
+
+        ``stops``: bash stops the script when it fails (an expansion: ``$((...))``, a subscript, an offset), rather
+        than returning status 1 (``((...))`` and ``let``).
+        """
+        if node is None:
             return None
+        sub = Taint()
+        text = self._arith_text(node, sub, node.start_byte if lo is None else lo, node.end_byte if hi is None else hi)
+        ctx.merge(sub)
+        if sub.unknown:
+            return None
+        return self._eval_arith(text, ctx, node_line(node), stops)
 
-    def _arith(self, node: Node, ctx: Taint) -> int:
-        """A safe evaluator for bash integer arithmetic (never Python's eval)."""
-        kind, kids = node.type, node.named_children
-        if kind == "number":
-            return _int(node_text(node))
-        if kind in ("variable_name", "word") and NAME.fullmatch(node_text(node)):
-            return self._arith_name(node_text(node), ctx, node_line(node))
-        if kind in ("simple_expansion", "expansion", "string", "word", "concatenation"):
-            return _int(join_pieces(self._pieces(node, ctx)))
-        if kind == "parenthesized_expression" and kids:
-            return self._arith(kids[-1], ctx)
-        if kind == "unary_expression" and kids and node.children[0].type in ("-", "+", "!", "~"):
-            value = self._arith(kids[-1], ctx)
-            return {"-": -value, "+": value, "!": int(not value), "~": ~value}[node.children[0].type]
-        if kind == "binary_expression":
-            op = node.child_by_field_name("operator").type
-            left = self._arith(node.child_by_field_name("left"), ctx)
-            right = self._arith(node.child_by_field_name("right"), ctx)
-            if op in ("/", "%"):  # C semantics: truncate toward zero
-                quotient = abs(left) // abs(right) * (1 if (left < 0) == (right < 0) else -1)
-                return quotient if op == "/" else left - right * quotient
-            if op in _ARITH:
-                return _ARITH[op](left, right)
-        raise ValueError(node_text(node))
+    def _arith_text(self, node: Node, ctx: Taint, lo: int, hi: int) -> str:
+        """The expression as bash evaluates it: parameter expansions and substitutions in it replaced by their text."""
+        raw, base = node.text or b"", node.start_byte
+        out: list[str] = []
+        pos = lo
+        stack = list(reversed(node.children))  # document order, iteratively: 1+1+...+1 nests as deep as it is long
+        while stack:
+            kid = stack.pop()
+            if kid.end_byte <= lo or kid.start_byte >= hi:
+                continue
+            if kid.type in _ARITH_EXPANSIONS:
+                out.append(raw[pos - base : kid.start_byte - base].decode(errors="replace"))
+                out.append(join_pieces(self._pieces(kid, ctx)))
+                pos = kid.end_byte
+            else:
+                stack.extend(reversed(kid.children))
+        out.append(raw[pos - base : hi - base].decode(errors="replace"))
+        return "".join(out)
 
-    def _arith_name(self, name: str, ctx: Taint, line: int, depth: int = 0) -> int:
-        val = self._var(name, ctx, line)
-        if val is None:
-            ctx.unset[(name, line, self.nounset)] = None
-        text = scalar(val or "").strip()
-        if NAME.fullmatch(text) and depth < 8:  # bash evaluates a variable holding a name as that variable
-            return self._arith_name(text, ctx, line, depth + 1)
-        return _int(text)
+    def _eval_arith(self, text: str, ctx: Taint, line: int, stops: bool = True) -> int | None:
+        """``text`` evaluated as bash arithmetic (verl_npu.preflight.arith); None when it cannot be known here."""
+        sub = Taint()
+
+        def lookup(name: str, index: int | None) -> str | None:
+            value = self._var(name, sub, line)
+            if sub.unknown or (
+                isinstance(value, str) and value in self.placeholders
+            ):  # a value only running the script would tell
+                raise _Unknown
+            if value is None:
+                sub.unset[(name, line, self.nounset)] = None
+                return None
+            items = value if isinstance(value, list) else [value]
+            i = 0 if index is None else index + len(items) if index < 0 else index
+            return items[i] if 0 <= i < len(items) else None
+
+        def store(name: str, index: int | None, value: int) -> None:
+            if index is None:
+                self._set(name, str(value), Taint(), line)
+                return
+            old = self.vars.get(name)
+            items = old if isinstance(old, list) else ([] if old is None else [old])
+            index = index + len(items) if index < 0 else index
+            self._set(name, [*items[:index], str(value), *items[index + 1 :]], Taint(), line)
+
+        try:
+            return Arith(lookup, store)(text)
+        except _Unknown:
+            return None
+        except Limit as exc:
+            msg = f"could not evaluate $(( {_short(text.strip())} )): {exc}; {self.TARGET} gets a placeholder"
+            ctx.unknown[msg] = line
+            return None
+        except ArithError as exc:
+            if not stops:
+                self.report("warning", "arith-error", line, f"line {line}: {exc}: the command fails (status 1)")
+                return None
+            msg = f"line {line}: {exc}: bash abandons the command there, with the rest of its top-level command "
+            msg += "(the line, or the function call it is in); even under set -e the script goes on after it"
+            self.report("error", "arith-error", line, msg)
+            raise _Abandoned from None
+        finally:
+            ctx.merge(sub)

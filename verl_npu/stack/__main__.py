@@ -7,8 +7,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import signal
 import sys
 
+from verl_npu.errors import UserError
 from verl_npu.stack.detect import UnknownChipError, detect_target
 from verl_npu.stack.manifest import MANIFEST_PATH, TARGETS, StackError, load_stack
 from verl_npu.stack.plan import install_plan
@@ -67,13 +69,20 @@ def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     try:
         if args.command == "detect-target":
+            # install.sh bounds this with `timeout`, whose SIGTERM must still end npu-smi's process group
+            # (verl_npu.processes ends it when the wait is interrupted by an exception)
+            signal.signal(signal.SIGTERM, _exit_on_sigterm)
             print(detect_target())
         else:
             return _manifest_command(args)
-    except (StackError, UnknownChipError) as exc:
+    except (UserError, UnknownChipError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     return 0
+
+
+def _exit_on_sigterm(signum: int, frame: object) -> None:
+    raise SystemExit(128 + signum)
 
 
 if __name__ == "__main__":

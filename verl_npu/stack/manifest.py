@@ -12,7 +12,7 @@ import re
 import tomllib
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 from verl_npu.errors import UserError
 
@@ -30,6 +30,9 @@ _VERSION_RE = re.compile(r"^\d+(\.\d+)*((a|b|rc)\d+)?(\.post\d+)?(\.dev\d+)?(\+[
 _PYTHON_RE = re.compile(r"^3\.\d+$")
 _IMAGE_RE = re.compile(r"^[a-z0-9.-]+(:\d+)?(/[a-z0-9._-]+)+:[A-Za-z0-9._-]+$")
 _SOC_RE = re.compile(r"^ascend[0-9a-z_]+$")
+MAX_STRING = 1024  # no pin, URL, image or path comes near; a longer value is a mistake, not a pin
+MAX_ENTRIES = 512  # packages, git components, targets or patches in one table or list
+MAX_HBM_GIB = 1 << 16
 
 
 class StackError(UserError):
@@ -131,15 +134,15 @@ class _Table:
             self.fail(None, f"must be a table, found {type(data).__name__}")
         self.data: dict[str, Any] = data
 
-    def fail(self, key: str | None, message: str) -> None:
-        location = f"[{self.where}]" if key is None else f"[{self.where}] key '{key}'"
+    def fail(self, key: str | None, message: str) -> NoReturn:
+        location = f"[{_name(self.where)}]" if key is None else f"[{_name(self.where)}] key '{_name(key)}'"
         raise StackError(f"{self.path}: {location} {message}")
 
     def check_keys(self, required: set[str], optional: set[str] = frozenset()) -> None:
         allowed = required | optional
         for key in self.data:
             if key not in allowed:
-                close = difflib.get_close_matches(key, sorted(allowed), n=1)
+                close = difflib.get_close_matches(key, sorted(allowed), n=1) if len(key) <= 100 else []
                 hint = f"; did you mean '{close[0]}'?" if close else ""
                 self.fail(key, f"is not allowed here (allowed: {', '.join(sorted(allowed))}){hint}")
         for key in sorted(required):
@@ -149,9 +152,11 @@ class _Table:
     def string(self, key: str, pattern: re.Pattern[str] | None = None, what: str = "") -> str:
         value = self.data[key]
         if not isinstance(value, str) or not value:
-            self.fail(key, f"must be a non-empty string, found {value!r}")
+            self.fail(key, f"must be a non-empty string, found {_show(value)}")
+        if len(value) > MAX_STRING:
+            self.fail(key, f"is {len(value)} characters long (at most {MAX_STRING}): {_show(value)}")
         if pattern is not None and not pattern.match(value):
-            self.fail(key, f"is not {what}: {value!r}")
+            self.fail(key, f"is not {what}: {_show(value)}")
         return value
 
     def optional_string(self, key: str, pattern: re.Pattern[str] | None = None, what: str = "") -> str | None:
@@ -160,17 +165,29 @@ class _Table:
     def targets(self, key: str = "targets") -> tuple[str, ...]:
         value = self.data[key]
         if not isinstance(value, list) or not value or not all(isinstance(v, str) for v in value):
-            self.fail(key, f"must be a non-empty list of targets, found {value!r}")
+            self.fail(key, f"must be a non-empty list of targets, found {_show(value)}")
         for target in value:
             if target not in TARGETS:
-                self.fail(key, f"names unknown target {target!r} (valid: {', '.join(TARGETS)})")
+                self.fail(key, f"names unknown target {_show(target)} (valid: {', '.join(TARGETS)})")
+        if len(set(value)) != len(value):
+            self.fail(key, f"lists a target twice: {_show(value)}")
         return tuple(value)
 
     def url(self, key: str) -> str:
         value = self.string(key)
-        if not value.startswith("https://"):
-            self.fail(key, f"must be an https:// URL, found {value!r}")
+        if not _URL_RE.match(value):
+            self.fail(key, f"must be an https:// URL, found {_show(value)}")
         return value
+
+
+def _show(value: Any) -> str:
+    """A value for a message: its repr, cut to 80 characters (a hostile manifest may hold a megabyte string)."""
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+def _name(text: str) -> str:
+    return text if len(text) <= 80 else text[:77] + "..."
 
 
 _URL_RE = re.compile(r"^https://\S+$")
@@ -182,7 +199,9 @@ def _load_chip(path: Path, name: str, data: Any) -> Chip:
     t.check_keys({"description", "cann_version", "base_image", "soc_version", "hbm_gib"})
     hbm = t.data["hbm_gib"]
     if not isinstance(hbm, int) or isinstance(hbm, bool) or hbm <= 0:
-        t.fail("hbm_gib", f"must be a positive integer (GiB of device memory per NPU), found {hbm!r}")
+        t.fail("hbm_gib", f"must be a positive integer (GiB of device memory per NPU), found {_show(hbm)}")
+    if hbm > MAX_HBM_GIB:
+        t.fail("hbm_gib", f"is {_show(hbm)} GiB per NPU (at most {MAX_HBM_GIB})")
     return Chip(
         name=name,
         description=t.string("description"),
@@ -196,13 +215,13 @@ def _load_chip(path: Path, name: str, data: Any) -> Chip:
 def _patches(t: _Table) -> tuple[str, ...]:
     """The optional `patches` list: build-time source patches under patches/ (packages and git components)."""
     patches = t.data.get("patches", [])
-    if not isinstance(patches, list) or not all(isinstance(p, str) for p in patches):
-        t.fail("patches", f"must be a list of paths relative to the repository, found {patches!r}")
+    if not isinstance(patches, list) or not all(isinstance(p, str) for p in patches) or len(patches) > MAX_ENTRIES:
+        t.fail("patches", f"must be a list of paths relative to the repository, found {_show(patches)}")
     for patch in patches:
-        if not re.match(r"^patches/[A-Za-z0-9._/-]+\.patch$", patch) or ".." in patch:
-            t.fail("patches", f"entry {patch!r} must be a path under patches/ ending in .patch")
+        if len(patch) > MAX_STRING or not re.match(r"^patches/[A-Za-z0-9._/-]+\.patch$", patch) or ".." in patch:
+            t.fail("patches", f"entry {_show(patch)} must be a path under patches/ ending in .patch")
     if len(set(patches)) != len(patches):
-        t.fail("patches", f"lists a patch twice: {patches!r}")
+        t.fail("patches", f"lists a patch twice: {_show(patches)}")
     return tuple(patches)
 
 
@@ -210,8 +229,12 @@ def _load_package(path: Path, name: str, data: Any) -> Package:
     t = _Table(path, f"packages.{name}", data)
     t.check_keys({"version", "targets"}, {"index", "index_x86_64", "pairs_with", "patches", "replaces"})
     replaces = t.data.get("replaces", [])
-    if not isinstance(replaces, list) or not all(isinstance(r, str) and _DIST_RE.match(r) for r in replaces):
-        t.fail("replaces", f"must be a list of distribution names, found {replaces!r}")
+    if (
+        not isinstance(replaces, list)
+        or len(replaces) > MAX_ENTRIES
+        or not all(isinstance(r, str) and len(r) <= MAX_STRING and _DIST_RE.match(r) for r in replaces)
+    ):
+        t.fail("replaces", f"must be a list of distribution names, found {_show(replaces)}")
     if name in replaces:
         t.fail("replaces", f"names the package itself ({name!r})")
     return Package(
@@ -233,11 +256,11 @@ def _load_git(path: Path, name: str, data: Any) -> GitComponent:
     if commit != UNVERIFIED and not _SHA_RE.match(commit):
         t.fail(
             "commit",
-            f"must be a full 40-character lowercase hex commit or {UNVERIFIED!r}, found {commit!r}",
+            f"must be a full 40-character lowercase hex commit or {UNVERIFIED!r}, found {_show(commit)}",
         )
     install = t.string("install")
     if install not in GIT_INSTALL_KINDS:
-        t.fail("install", f"must be one of {', '.join(GIT_INSTALL_KINDS)}, found {install!r}")
+        t.fail("install", f"must be one of {', '.join(GIT_INSTALL_KINDS)}, found {_show(install)}")
     return GitComponent(
         name=name,
         url=t.url("url"),
@@ -251,20 +274,40 @@ def _load_git(path: Path, name: str, data: Any) -> GitComponent:
     )
 
 
+def _components(path: Path, where: str, data: Any, load) -> dict:
+    """The entries of [packages] or [git]: each name a distribution name, each table loaded by ``load``."""
+    table = _Table(path, where, data)
+    if len(table.data) > MAX_ENTRIES:
+        table.fail(None, f"has {len(table.data)} entries (at most {MAX_ENTRIES})")
+    for name in table.data:
+        if len(name) > 100 or not _DIST_RE.match(name):
+            table.fail(None, f"entry {_show(name)} is not a distribution name (letters, digits, '.', '_', '-')")
+    return {n: load(path, n, d) for n, d in table.data.items()}
+
+
 def load_stack(path: Path | str = MANIFEST_PATH) -> Stack:
-    """Load and validate a manifest; raise :class:`StackError` naming the file and key."""
+    """Load and validate a manifest; raise :class:`StackError` naming the file and key (never another exception)."""
     path = Path(path)
     try:
-        raw = tomllib.loads(path.read_text(encoding="utf-8"))
+        raw = tomllib.loads(path.read_bytes().decode("utf-8"))
     except FileNotFoundError:
         raise StackError(f"{path}: manifest not found") from None
+    except OSError as exc:
+        raise StackError(f"{path}: cannot read the manifest ({exc.strerror or exc})") from None
+    except UnicodeDecodeError as exc:
+        raise StackError(f"{path}: not UTF-8 text (byte {exc.start}: {exc.reason})") from None
     except tomllib.TOMLDecodeError as exc:
-        raise StackError(f"{path}: not valid TOML: {exc}") from None
+        text = str(exc)  # tomllib quotes the offending key whole: keep its start and the position at its end
+        text = text if len(text) <= 300 else text[:200] + " ... " + text[-90:]
+        raise StackError(f"{path}: not valid TOML: {text}") from None
+    except RecursionError:
+        raise StackError(f"{path}: not valid TOML: arrays or tables nested too deeply") from None
 
     top = _Table(path, "top level", raw)
     top.check_keys({"schema", "python", "chips", "packages", "git"})
-    if raw["schema"] != SCHEMA_VERSION:
-        top.fail("schema", f"is {raw['schema']!r}; this verl-npu reads schema {SCHEMA_VERSION}")
+    schema = raw["schema"]
+    if not isinstance(schema, int) or isinstance(schema, bool) or schema != SCHEMA_VERSION:
+        top.fail("schema", f"is {_show(schema)}; this verl-npu reads schema {SCHEMA_VERSION}")
     py = _Table(path, "python", raw["python"])
     py.check_keys({"version"})
     python = py.string("version", _PYTHON_RE, "a major.minor Python version")
@@ -272,17 +315,17 @@ def load_stack(path: Path | str = MANIFEST_PATH) -> Stack:
     chips_table = _Table(path, "chips", raw["chips"])
     chips_table.check_keys(set(NPU_TARGETS))
     chips = {name: _load_chip(path, name, chips_table.data[name]) for name in NPU_TARGETS}
-    packages = {n: _load_package(path, n, d) for n, d in _Table(path, "packages", raw["packages"]).data.items()}
-    git = {n: _load_git(path, n, d) for n, d in _Table(path, "git", raw["git"]).data.items()}
+    packages = _components(path, "packages", raw["packages"], _load_package)
+    git = _components(path, "git", raw["git"], _load_git)
 
     for pkg in packages.values():
         if pkg.pairs_with is not None and pkg.pairs_with not in packages:
             _Table(path, f"packages.{pkg.name}", {}).fail(
-                "pairs_with", f"names {pkg.pairs_with!r}, which is not a [packages] entry"
+                "pairs_with", f"names {_show(pkg.pairs_with)}, which is not a [packages] entry"
             )
         for dist in pkg.replaces:
             if dist in packages:
                 _Table(path, f"packages.{pkg.name}", {}).fail(
                     "replaces", f"names {dist!r}, which the manifest itself installs ([packages.{dist}])"
                 )
-    return Stack(path=path, schema=raw["schema"], python=python, chips=chips, packages=packages, git=git)
+    return Stack(path=path, schema=schema, python=python, chips=chips, packages=packages, git=git)

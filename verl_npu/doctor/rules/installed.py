@@ -5,15 +5,17 @@ from __future__ import annotations
 import os
 import re
 import shutil
-import subprocess
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from verl_npu import processes
 from verl_npu.checks import FAIL, OK, WARN
 from verl_npu.checks import Check as Finding
 from verl_npu.doctor.probe import Probe
 from verl_npu.stack import NPU_TARGETS, REPO_ROOT, Stack
+
+GIT_TIMEOUT_S = 120.0  # `git apply --check` of one patch
 
 
 def check_patches(probe: Probe, stack: Stack, target: str) -> list[Finding]:
@@ -38,14 +40,15 @@ def check_patches(probe: Probe, stack: Stack, target: str) -> list[Finding]:
                     Finding(check, FAIL, f"{pkg.name} is not installed, so {rel} is not applied", "bash install.sh")
                 )
                 continue
-            done = subprocess.run(
+            done = processes.run(
                 ["git", "apply", "--reverse", "--check", str(patch)],
                 cwd=roots[0],
                 env={**os.environ, "GIT_CEILING_DIRECTORIES": str(Path(roots[0]).parent)},
-                capture_output=True,
-                check=False,
+                timeout=GIT_TIMEOUT_S,
             )
-            if done.returncode == 0:
+            if done.timed_out:
+                findings.append(Finding(check, WARN, f"cannot verify {rel}: {done.describe()}"))
+            elif done.returncode == 0:
                 findings.append(Finding(check, OK, f"{Path(rel).name} applied in {roots[0]}"))
             else:
                 findings.append(

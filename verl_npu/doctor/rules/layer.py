@@ -4,14 +4,16 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import subprocess
 import sys
 
+from verl_npu import processes
 from verl_npu.checks import FAIL, OK, WARN
 from verl_npu.checks import Check as Finding
 from verl_npu.doctor.probe import Probe
 from verl_npu.doctor.rules.env import LAYER_MODULE
 from verl_npu.stack import NPU_TARGETS
+
+LAYER_TIMEOUT_S = 600.0
 
 
 def probe_layer(probe: Probe, target: str, *, ray: bool = True) -> tuple[dict | None, list[Finding]]:
@@ -25,14 +27,16 @@ def probe_layer(probe: Probe, target: str, *, ray: bool = True) -> tuple[dict | 
     argv = [sys.executable, "-m", "verl_npu.layer_probe", *(["--ray"] if want_ray else [])]
     fix = "run: python -m verl_npu.layer_probe"
     try:
-        done = subprocess.run(argv, capture_output=True, text=True, env=dict(probe.env), timeout=600, check=False)
-    except subprocess.TimeoutExpired:
-        return None, [Finding("layer.process", FAIL, "probing the layer timed out after 600 s", fix)]
+        done = processes.run(argv, env=probe.env, timeout=LAYER_TIMEOUT_S)
+    except OSError as exc:
+        return None, [Finding("layer.process", FAIL, f"could not start {sys.executable}: {exc}", fix)]
+    if done.timed_out:  # its process group (Ray's workers included) has been ended
+        return None, [Finding("layer.process", FAIL, f"probing the layer timed out after {LAYER_TIMEOUT_S:g} s", fix)]
     if done.returncode != 0:
-        last = (done.stderr.strip().splitlines() or ["(no output)"])[-1]
+        last = (str(done.stderr).strip().splitlines() or ["(no output)"])[-1]
         return None, [Finding("layer.process", FAIL, f"`import verl` failed: {last}", fix)]
     try:
-        report = json.loads(done.stdout.strip().splitlines()[-1])
+        report = json.loads(str(done.stdout).strip().splitlines()[-1])
     except (IndexError, ValueError):
         return None, [Finding("layer.process", FAIL, "the layer probe printed no JSON report", fix)]
     return report, []

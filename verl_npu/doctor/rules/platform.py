@@ -16,6 +16,12 @@ MOUNT_NPUS = (
     "docker `options:` are ignored there); with docker, --device and -v"
 )
 
+NPU_SMI_BROKEN = (
+    "run `npu-smi info` on the node (as root, then in the container): a dcmi error or a hang means the NPU driver "
+    "is not loaded or not mounted (check dmesg, /dev/davinci*, /usr/local/Ascend/driver and /usr/local/dcmi); "
+    "report the output if it prints a table verl-npu does not read"
+)
+
 
 def detect_platform(probe: Probe) -> Platform:
     """The node as the probe's ``npu-smi`` / ``nvidia-smi`` show it (the one detector: verl_npu.stack.detect)."""
@@ -52,6 +58,13 @@ def check_expected_npus(probe: Probe, plat: Platform) -> list[Finding]:
                 MOUNT_NPUS,
             )
         ]  # fmt: skip
+    if plat.problem is not None:
+        return [
+            Finding(
+                "platform.expected-npus", FAIL,
+                f"this job expects {expected} NPUs ({EXPECT_NPUS_ENV}), but {plat.problem}", NPU_SMI_BROKEN,
+            )
+        ]  # fmt: skip
     if plat.devices is None or plat.devices < expected:
         return [
             Finding(
@@ -65,6 +78,8 @@ def check_expected_npus(probe: Probe, plat: Platform) -> list[Finding]:
 
 
 def check_platform(probe: Probe, stack: Stack, plat: Platform, target: str, built: dict | None) -> list[Finding]:
+    if plat.problem is not None:  # npu-smi is there but failed, hung or printed no NPU table
+        return [Finding("platform", FAIL, plat.problem, NPU_SMI_BROKEN)]
     if plat.target == "unknown":
         return [Finding("platform", FAIL, plat.detail, "report `npu-smi info` output; pass the target explicitly")]
     findings = [Finding("platform", OK, f"{plat.detail}; expected stack: target {target}")]

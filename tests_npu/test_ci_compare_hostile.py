@@ -327,3 +327,36 @@ def test_json_is_written_whole_or_not_at_all(tmp_path, monkeypatch):
     assert cli(str(log), str(baseline), "--json", str(report))[0] == 0
     written = json.loads(report.read_text())
     assert written["regressions"] == 0 and all(math.isfinite(r["current"]) for r in written["rows"])
+
+
+# --- what the review of the change found ------------------------------------------------------------------------------
+def test_integers_beyond_pythons_digit_limit_are_named_errors_not_crashes(tmp_path):
+    baseline = baseline_file(tmp_path / "b.json")
+    log = tmp_path / "t.log"
+    log.write_text('{"step": ' + "9" * 5000 + ', "data": {"perf/throughput": 1.0}}\n')
+    code, _, err = cli(str(log), str(baseline))
+    assert code == 2 and "t.log:1" in err and "Traceback" not in err, err
+    big = baseline_file(
+        tmp_path / "big.json", raw='{"job": "j", "window": {"first_step": 1, "last_step": ' + "9" * 5000 + "}}"
+    )
+    code, _, err = cli(str(console_log(tmp_path / "c.log")), str(big))
+    assert code == 2 and "big.json: not valid JSON" in err, err
+
+
+def test_update_of_a_baseline_with_nan_in_a_field_it_keeps_is_refused_and_leaves_the_file(tmp_path):
+    baseline = baseline_file(tmp_path / "b.json")
+    baseline.write_text(baseline.read_text()[:-1] + ', "notes": NaN}')
+    before = baseline.read_bytes()
+    code, _, err = cli(str(console_log(tmp_path / "t.log")), str(baseline), "--update")
+    assert code == 2 and "NaN or infinity" in err, err
+    assert baseline.read_bytes() == before
+
+
+@pytest.mark.parametrize("which", ["log", "baseline"])
+def test_a_fifo_as_log_or_baseline_is_refused_at_once(tmp_path, which):
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    log, baseline = console_log(tmp_path / "t.log"), baseline_file(tmp_path / "b.json")
+    args = (str(fifo), str(baseline)) if which == "log" else (str(log), str(fifo))
+    code, _, err = cli(*args)
+    assert code == 2 and "not a regular file" in err, err

@@ -108,3 +108,17 @@ def test_debug_is_accepted_before_the_command_too(monkeypatch):
     cli = _fail_with(monkeypatch, ZeroDivisionError("division by zero"))
     with pytest.raises(ZeroDivisionError):
         cli.main(["--debug", "versions"])
+
+
+def test_debug_after_double_dash_is_the_scripts_argument(monkeypatch):
+    from verl_npu import cli
+
+    seen = {}
+
+    def preflight(args):
+        seen["args"] = list(args.args)
+        raise ZeroDivisionError("a bug")
+
+    monkeypatch.setattr(cli, "cmd_preflight", preflight)
+    assert cli.main(["preflight", "run.sh", "--", "a=1", "--debug"]) == cli.EXIT_INTERNAL  # not re-raised
+    assert seen["args"] == ["a=1", "--debug"]

@@ -211,3 +211,22 @@ def test_cancel_ends_the_workers_process_group(tmp_path, monkeypatch):
     pid = grandchild(tmp_path / "pid")
     job.cancel()
     assert gone_soon(pid) and not job.running
+
+
+def test_a_cache_key_reads_no_fifo_and_gives_up_on_too_many_configs(tmp_path, monkeypatch):
+    import os
+    import threading
+
+    from verl_npu.preflight import worker
+
+    configs = tmp_path / "conf"
+    configs.mkdir()
+    os.mkfifo(configs / "blocks.yaml")  # reading it would never end
+    (configs / "a.yaml").write_text("x: 1\n")
+    keys = []
+    thread = threading.Thread(target=lambda: keys.append(worker.cache_key(None, [], None, None, [configs])))
+    thread.start()
+    thread.join(20)
+    assert not thread.is_alive() and isinstance(keys[0], str)
+    monkeypatch.setattr(worker, "MAX_CONFIG_FILES", 1)
+    assert worker.cache_key(None, [], None, None, [configs]) is None  # then preflight runs without a cache

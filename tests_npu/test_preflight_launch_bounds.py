@@ -189,8 +189,10 @@ def test_constructs_nested_thousands_deep_are_an_error_not_a_traceback(tmp_path)
     assert any("nest deeper than preflight follows" in f.message for f in launch.findings if f.severity == "error")
 
 
-def test_shift_by_a_number_with_a_thousand_digits_is_no_traceback(tmp_path):
-    assert read(tmp_path, f'shift {"9" * 5000}\n{TRAINER} "$@"\n', args=["a=1", "b=2"]).overrides == ("b=2",)
+@pytest.mark.parametrize(("count", "left"), [("9" * 5000, ("a=1", "b=2")), ("5", ("a=1", "b=2")), ("", ("b=2",))])
+def test_shift_past_the_arguments_shifts_nothing_as_in_bash(tmp_path, count, left):
+    # bash: "numeric argument required" for 5000 digits, "shift count out of range" for 5 of 2
+    assert read(tmp_path, f'shift {count}\n{TRAINER} "$@"\n', args=["a=1", "b=2"]).overrides == left
 
 
 # --- source: regular files only -----------------------------------------------------------------------------------
@@ -290,3 +292,90 @@ def test_source_of_a_path_with_a_nul_byte_is_not_read(tmp_path):
     launch = read(tmp_path, f'source "$1"\n{TRAINER} a=1\n', args=["x\x00y"])
     (finding,) = findings(launch, "unresolved")
     assert "NUL byte" in finding.message and launch.overrides == ("a=1",)
+
+
+# --- what the review of the change found, each as bash has it -------------------------------------------------------
+REVIEWED = [
+    'S=(1 2 4 8); i=2\nS[$i]=9\n$T "${S[$i]}" "${S[@]}"',  # an index that is one expansion
+    'x=abc\n$T "x${x: -5}" "${x: -2}" "${x##"*"}" "${x%%"b"*}" "${x/"*"/Q}"',  # offsets past the start; quoted patterns
+    '$T "${@: -1}" "${@: -2:1}" "${@:1:1}" "${#@}"',  # positional slices from the end
+    'A=(a b c)\nA[-5]=x\n$T "${A[@]}"',  # bash: bad array subscript, nothing assigned
+]
+
+
+@pytest.mark.skipif(shutil.which("bash") is None, reason="bash is not installed")
+@pytest.mark.parametrize("body", REVIEWED)
+def test_expansions_the_review_found_are_what_bash_passes(tmp_path, body):
+    stub = tmp_path / "bin" / "python3"
+    stub.parent.mkdir()
+    stub.write_text('#!/bin/sh\nshift 2\nprintf "%s\\0" "$@" > "$OUT"\n')
+    stub.chmod(0o755)
+    script = tmp_path / "run.sh"
+    script.write_text('T="python3 -m verl.trainer.main_ppo"\n' + body + "\n")
+    args = ["k=1", "l=2", "m=3"]
+    env = {"PATH": f"{stub.parent}:/usr/bin:/bin", "OUT": str(tmp_path / "out")}
+    subprocess.run(["bash", str(script), *args], env=env, check=False, capture_output=True)
+    assert list(read_launch_script(script, args, env).overrides) == (tmp_path / "out").read_text().split("\0")[:-1]
+
+
+def test_a_negative_subscript_past_the_start_assigns_nothing_and_says_so(tmp_path):
+    launch = read(tmp_path, f"A=(a b c)\nA[-5]=x\n(( A[-7] = 1 ))\n{TRAINER} " + '"${A[@]}"\n')
+    assert launch.overrides == ("a", "b", "c")
+    assert [(f.severity, f.line) for f in findings(launch, "arith-error")] == [("warning", 2), ("warning", 3)]
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        "S=(1 2)\n{T} a=${{S[$(cat f)+0]}}\n",  # an index only the running script knows
+        "for t in 1; do A=$t; done\n{T} a=$(( $A + 1 ))\n",  # an operand set only in a loop
+        'for t in 1; do A=$t; done\nB="${{A}}1"\n{T} a=$(( B + 1 ))\n',  # ... reached through another variable
+        "S=(1 2)\nS[$(cat f)]=3\n{T} a=${{S[0]}}\n",  # an assignment at an unknown index
+    ],
+)
+def test_a_value_behind_an_unknown_is_a_placeholder_never_a_number(tmp_path, body):
+    launch = read(tmp_path, body.format(T=TRAINER))
+    (override,) = launch.overrides
+    assert override.startswith("a=<") and launch.unknowns, override
+    assert not findings(launch, "arith-error") and not findings(launch, "no-trainer")
+
+
+def test_positional_parameters_with_thousands_of_digits_are_unset(tmp_path):
+    assert read(tmp_path, f"{TRAINER} a=${{{'1' * 5000}:-none}}\n", args=["x"]).overrides == ("a=none",)
+
+
+@pytest.mark.parametrize("kind", ["symlink-loop", "long-name", "proc-mem"])
+def test_sourced_paths_that_cannot_be_resolved_or_read_are_warnings(tmp_path, kind):
+    if kind == "symlink-loop":
+        (tmp_path / "loop.sh").symlink_to(tmp_path / "loop.sh")
+        word = "loop.sh"
+    elif kind == "long-name":
+        word = "x" * 300 + ".sh"
+    else:
+        word = "/proc/self/mem"  # a regular file whose read fails (EIO)
+    launch = within(10, lambda: read(tmp_path, f"source {word}\n{TRAINER} a=1\n"))
+    (finding,) = findings(launch, "unresolved")
+    assert finding.severity == "warning" and launch.overrides == ("a=1",)
+
+
+def test_splitting_a_megabyte_of_spaces_is_linear(tmp_path):
+    body = 'A="a b $(x) "\n' + 'A="$A$A"\n' * 16 + f"{TRAINER} $A\n"
+    start = time.perf_counter()
+    launch = within(20, lambda: read(tmp_path, body))
+    assert time.perf_counter() - start < 5
+    assert len(launch.overrides) == 3 * 2**16 and launch.overrides[2] == "<$(x)>"
+
+
+def test_trimming_is_bounded_over_the_whole_script(tmp_path):
+    body = "A=" + "a/" * 4000 + "\n" + "B=${A##*/}\n" * 200 + f"{TRAINER} b=$B\n"
+    start = time.perf_counter()
+    launch = within(60, lambda: read(tmp_path, body))
+    assert time.perf_counter() - start < 20
+    assert launch.overrides == ("b=<${A##*/}>",)
+
+
+def test_expressions_that_expand_exponentially_are_bounded(tmp_path):
+    body = "V16=1\n" + "".join(f"V{i}='V{i + 1}+V{i + 1}'\n" for i in range(15, 0, -1))
+    launch = within(20, lambda: read(tmp_path, body + f"{TRAINER} x=$((V1)) y=$((V3))\n"))
+    assert launch.overrides == ("x=<$((V1))>", "y=8192")  # bash: 32768 and 8192
+    assert any("variable expansions" in f.message for f in findings(launch, "unresolved"))

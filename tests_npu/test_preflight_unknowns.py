@@ -145,3 +145,26 @@ def test_an_unusable_config_path_is_one_fail_and_no_worker(tmp_path, monkeypatch
     assert [(c.check, c.detail) for c in report.checks if c.status == FAIL] == [
         ("config.config-path", "--config-path=/nowhere: /nowhere is not a directory")
     ]
+
+
+def test_a_config_dir_whose_name_holds_hydras_list_syntax_is_one_search_directory(tmp_path):
+    from verl_npu.preflight.config_check import compose_config
+
+    extra = tmp_path / "odd,name]'x"
+    (extra / "trainer_extras").mkdir(parents=True)
+    (extra / "trainer_extras" / "small.yaml").write_text("# @package _global_\ndata:\n  train_batch_size: 7\n")
+    config, checks = compose_config(None, ["+trainer_extras=small"], config_search(None, str(extra)))
+    assert config is not None and config.data.train_batch_size == 7, checks
+
+
+def test_a_home_of_no_such_user_is_a_named_error_everywhere(tmp_path, capsys):
+    from verl_npu.cli import main
+    from verl_npu.preflight.model_shape import ModelConfigError, load_config
+
+    with pytest.raises(ConfigSearchError, match="~nosuchuser-verl-npu/x"):
+        config_search(None, "~nosuchuser-verl-npu/x")
+    with pytest.raises(ModelConfigError, match="~nosuchuser-verl-npu/m"):
+        load_config("~nosuchuser-verl-npu/m")
+    script = EXAMPLE / SCRIPT
+    assert main(["preflight", str(script), "--json", "~nosuchuser-verl-npu/r.json"]) == 2
+    assert "--json='~nosuchuser-verl-npu/r.json'" in capsys.readouterr().err

@@ -205,3 +205,14 @@ def test_constraints_pin_every_distribution_of_the_target():
     assert "vllm==0.23.0" in stack.constraints("a3")
     assert {"torchvision==0.25.0", "torchaudio==2.10.0"} <= set(stack.constraints("a3"))
     assert not any(c.startswith("torch-npu") for c in stack.constraints("dev"))
+
+
+def test_a_manifest_that_is_a_fifo_is_refused_at_once(tmp_path):
+    import os
+
+    from verl_npu.stack.manifest import StackError, load_stack
+
+    fifo = tmp_path / "stack.toml"
+    os.mkfifo(fifo)  # reading it would block until someone writes
+    with pytest.raises(StackError, match="not a regular file"):
+        load_stack(fifo)

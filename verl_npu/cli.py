@@ -407,8 +407,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_ci_image_tag)
 
     from verl_npu.k8s.cli import register as register_k8s
+    from verl_npu.parity.cli import register as register_parity
 
     register_k8s(sub)
+    register_parity(sub)
     return parser
 
 
@@ -418,14 +420,15 @@ EXIT_INTERNAL = 3  # a bug in verl-npu: a short message; --debug shows the trace
 
 def _command_name(args: argparse.Namespace) -> str:
     words = [args.command, getattr(args, "ci_command", None), getattr(args, "contracts_command", None),
-             getattr(args, "k8s_command", None)]  # fmt: skip
+             getattr(args, "k8s_command", None), getattr(args, "parity_command", None)]  # fmt: skip
     return " ".join(["verl-npu", *(w for w in words if w)])
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    debug = "--debug" in argv  # accepted anywhere on the line, not only before the command
-    args = build_parser().parse_args([a for a in argv if a != "--debug"])
+    end = argv.index("--") if "--" in argv else len(argv)  # after "--" it is a launch script's own argument
+    debug = "--debug" in argv[:end]  # accepted anywhere before that, not only before the command
+    args = build_parser().parse_args([a for i, a in enumerate(argv) if a != "--debug" or i >= end])
     args.debug = debug
     try:
         return args.func(args)

@@ -28,10 +28,14 @@ from pathlib import Path
 from typing import Any
 
 from verl_npu import atomic, inputs
+from verl_npu.bounded_read import MIB, NotReadable, read_bytes
 from verl_npu.checks import FAIL, OK, Check, Column, status_markup
 from verl_npu.checks import table as checks_table
 from verl_npu.errors import UserError
 from verl_npu.inputs import InputError
+
+MAX_LOG_BYTES = 512 * MIB  # a training log
+MAX_BASELINE_BYTES = 16 * MIB
 
 _CONSOLE = re.compile(r"(?:^|\s)step:(\d+) - (.*)$")
 _NUMPY_SCALAR = re.compile(r"^np\.\w+\((.*)\)$")
@@ -107,19 +111,19 @@ def _console_line(path: Path, number: int, line: str, last: bool) -> tuple[int, 
 def read_log(path: str | Path) -> dict[int, dict[str, float]]:
     """Metrics per step from a verl console log or file-logger JSONL (the format is detected per line)."""
     path = Path(path)
-    if not path.is_file():
+    if not path.exists():
         raise CompareError(f"{path}: no such log file")
     try:
-        lines = path.read_text(errors="replace").splitlines()
-    except OSError as exc:
-        raise CompareError(f"{path}: cannot read the log ({exc.strerror or exc})") from None
+        lines = read_bytes(path, MAX_LOG_BYTES).decode("utf-8", errors="replace").splitlines()
+    except NotReadable as exc:
+        raise CompareError(f"{path}: cannot read the log ({exc})") from None
     steps: dict[int, dict[str, float]] = {}
     for number, line in enumerate(lines, start=1):
         last = number == len(lines)
         if line.lstrip().startswith("{"):
             try:
                 record = json.loads(line)
-            except (json.JSONDecodeError, RecursionError):
+            except (ValueError, RecursionError):  # JSONDecodeError, and integers of more than 4300 digits
                 what = "truncated (the last line ends mid-record)" if last else "malformed JSON"
                 raise CompareError(f"{path}:{number}: {what}") from None
             if not isinstance(record, dict) or "step" not in record or not isinstance(record.get("data"), dict):
@@ -250,17 +254,19 @@ class Baseline:
 def read_baseline(path: str | Path) -> Baseline:
     """The baseline at ``path``, every field parsed and range-checked; CompareError names the file and field."""
     path = Path(path)
+    if not path.exists():
+        raise CompareError(f"{path}: no such baseline file")
     try:
-        text = path.read_bytes().decode("utf-8")
-    except FileNotFoundError:
-        raise CompareError(f"{path}: no such baseline file") from None
-    except OSError as exc:
-        raise CompareError(f"{path}: cannot read the baseline ({exc.strerror or exc})") from None
+        data_bytes = read_bytes(path, MAX_BASELINE_BYTES)
+    except NotReadable as exc:
+        raise CompareError(f"{path}: cannot read the baseline ({exc})") from None
+    try:
+        text = data_bytes.decode("utf-8")
     except UnicodeDecodeError as exc:
         raise CompareError(f"{path}: not UTF-8 text (byte {exc.start}: {exc.reason})") from None
     try:
         data = json.loads(text)
-    except json.JSONDecodeError as exc:
+    except ValueError as exc:  # JSONDecodeError, and integers of more than 4300 digits
         raise CompareError(f"{path}: not valid JSON ({exc})") from None
     except RecursionError:
         raise CompareError(f"{path}: not valid JSON (nested too deeply)") from None
@@ -400,7 +406,11 @@ def update_baseline(log: str | Path, baseline_path: str | Path, *, image: str | 
         entry["value"] = inputs.number(f"metrics.{metric}.value", mean, minimum=-MAX_VALUE, maximum=MAX_VALUE,
                                        source=f"{log} (its window mean, not written to {path})")  # fmt: skip
     data.update(image=image, commit=commit, taken=datetime.date.today().isoformat(), source_log=Path(log).name)
-    text = json.dumps(data, indent=2, allow_nan=False) + "\n"
+    try:
+        text = json.dumps(data, indent=2, allow_nan=False) + "\n"
+    except ValueError as exc:  # a NaN or infinity in a field the baseline keeps but does not check
+        raise CompareError(f"{path}: the baseline holds a value JSON cannot (NaN or infinity: {exc}); fix it "
+                           "before --update") from None  # fmt: skip
     try:
         parse_baseline(path, json.loads(text))  # what is written reads back as a baseline, or nothing is written
     except InputError as exc:

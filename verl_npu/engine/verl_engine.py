@@ -19,9 +19,8 @@ from verl.workers.engine.base import EngineRegistry
 from verl.workers.engine.megatron import MegatronEngineWithLMHead, MegatronEngineWithValueHead
 
 from verl_npu import platform as _platform
+from verl_npu.engine import build
 from verl_npu.engine.build_plan import build_plan
-from verl_npu.engine.layer_spec import needs_local_spec
-from verl_npu.engine.mbridge_local import build_on_local_spec, install_mask_adapter
 from verl_npu.engine.offload import OffloadManager
 from verl_npu.engine.optimizer_state import ensure_torch_adam_state, resync_torch_adam_steps
 
@@ -43,30 +42,23 @@ class NPUMegatronEngineMixin:
         self.build_plan = build_plan(
             self.engine_config, self.optimizer_config, self.model_config.hf_config, _platform.detect()
         )
-        # MindSpeed-only flags are not TransformerConfig fields: keep megatron's config clean. verl's
-        # configs are frozen and may be shared with other engines: this engine gets its own copy.
+        # verl's configs are frozen and may be shared with other engines: this engine gets its own copy.
+        otc, ddp = build.engine_overrides(self.build_plan, self.engine_config.override_ddp_config)
         self.engine_config = dataclasses.replace(
-            self.engine_config,
-            override_transformer_config=dict(self.build_plan.transformer_overrides),
-            override_ddp_config={**self.build_plan.ddp_overrides, **dict(self.engine_config.override_ddp_config or {})},
+            self.engine_config, override_transformer_config=otc, override_ddp_config=ddp
         )
-        if self.build_plan.mindspeed_repatch is not None:
-            from mindspeed.megatron_adaptor import repatch
-
-            repatch(dict(self.build_plan.mindspeed_repatch))
+        build.enter_mindspeed(self.build_plan)
         logger.info("verl-npu engine build plan: %s", self.build_plan)
         super()._init_device_mesh()
 
     def _build_tf_config(self):
         super()._build_tf_config()
-        if self.vanilla_bridge and needs_local_spec(self.build_plan.platform, self.build_plan.features):
-            build_on_local_spec(self.bridge, fused_rmsnorm="fused_rmsnorm" in self.build_plan.features)
+        if self.vanilla_bridge and build.adapt_bridge(self.bridge, self.build_plan):
             logger.info("verl-npu engine: %s builds on megatron-core's local spec", type(self.bridge).__name__)
 
     def _build_megatron_module(self):
         module = super()._build_megatron_module()
-        if getattr(self.bridge, "_verl_npu_local_spec", None) is not None:
-            install_mask_adapter(module)
+        build.adapt_module(self.bridge, module)
         return module
 
     def _offloader(self) -> OffloadManager:

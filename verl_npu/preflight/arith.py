@@ -18,6 +18,7 @@ INT_MIN, INT_MAX = -(1 << 63), (1 << 63) - 1
 _MASK = (1 << 64) - 1
 MAX_DEPTH = 64  # nested parentheses, unary operators, right-associative chains and variables holding expressions
 MAX_TEXT = 1 << 16  # characters of one expression
+MAX_EVALUATIONS = 10_000  # texts evaluated for one expression: variables holding expressions are each one
 
 
 class ArithError(ValueError):
@@ -298,6 +299,7 @@ class Arith:
         self.lookup = lookup
         self._store = store
         self.depth = 0
+        self.evaluations = 0
         self.noeval = 0  # > 0 inside an operand bash skips: evaluated for its errors, without side effects
 
     def store(self, name: str, index: int | None, value: int) -> None:
@@ -315,6 +317,9 @@ class Arith:
     def __call__(self, text: str) -> int:
         if len(text) > MAX_TEXT:
             raise Limit(f"the expression is longer than {MAX_TEXT} characters")
+        self.evaluations += 1
+        if self.evaluations > MAX_EVALUATIONS:  # V1='V2+V2', V2='V3+V3', ...: exponential without a depth limit
+            raise Limit(f"evaluating it takes more than {MAX_EVALUATIONS} variable expansions")
         self.depth += 1
         try:
             if self.depth > MAX_DEPTH:

@@ -21,6 +21,7 @@ from functools import cache
 from pathlib import Path
 from typing import Any
 
+from verl_npu.bounded_read import NotReadable, expand_user
 from verl_npu.checks import FAIL, OK, WARN, Check, failed
 from verl_npu.errors import UserError
 from verl_npu.preflight.values import MEGATRON, ROLE_SECTIONS, LaunchValues
@@ -105,7 +106,10 @@ def config_search(
         if value.startswith("pkg://"):
             raise ConfigSearchError(f"{option}={value}: preflight composes from a directory; give the package's "
                                     "config directory as a path")  # fmt: skip
-        path = Path(value.removeprefix("file://")).expanduser()
+        try:
+            path = expand_user(value.removeprefix("file://"))
+        except NotReadable as exc:
+            raise ConfigSearchError(f"{option}={value}: {exc}") from None
         relative = not path.is_absolute()
         if relative:
             path = (relative_to / path) if relative_to is not None else Path.cwd() / path
@@ -121,7 +125,8 @@ def _searchpath(search: ConfigSearch | None, overrides: Sequence[str]) -> list[s
     """The overrides, with ``--config-dir`` on Hydra's search path (merged into a ``hydra.searchpath`` override)."""
     if search is None or search.extra is None:
         return list(overrides)
-    extra = f"file://{search.extra}"
+    # quoted, so that a directory named with Hydra's list syntax (, ] ') stays one element
+    extra = "'file://" + str(search.extra).replace("\\", "\\\\").replace("'", "\\'") + "'"
     out, merged = [], False
     for override in overrides:
         key, eq, value = override.partition("=")

@@ -25,13 +25,15 @@ import copy
 import dataclasses
 import json
 from collections.abc import Mapping, Sequence
-from pathlib import Path
 from typing import Any
 
 from verl_npu import inputs
+from verl_npu.bounded_read import MIB, NotReadable, expand_user, read_text
 from verl_npu.errors import UserError
 from verl_npu.inputs import MAX_EXPERTS, MAX_HEADS, MAX_HIDDEN, MAX_LAYERS, MAX_TOKENS, MAX_VOCAB, InputError
 from verl_npu.preflight.values import InputErrors, Reader
+
+MAX_CONFIG_BYTES = 16 * MIB  # a model's config.json
 
 KNOWN_TYPES = ("llama", "qwen2", "qwen3", "qwen3_moe", "deepseek_v3", "glm_moe_dsa")
 GLM5_NAMES, GLM5_2_NAMES = ("glm5", "glm-5"), ("glm5.2", "glm-5.2")
@@ -448,13 +450,18 @@ def load_config(config: Any) -> dict[str, Any]:
 
         differences = copy.deepcopy(GLM5_2_DIFFERENCES) if name.lower() in GLM5_2_NAMES else {}
         return GlmMoeDsaConfig(**differences).to_dict()
-    path = Path(name).expanduser()
+    try:
+        path = expand_user(name)
+    except NotReadable as exc:
+        raise ModelConfigError(str(exc)) from None
     if path.is_dir():
         path = path / "config.json"
     if path.is_file():
         try:
-            cfg = json.loads(path.read_text(encoding="utf-8"))
-        except ValueError as exc:  # JSONDecodeError, UnicodeDecodeError
+            cfg = json.loads(read_text(path, MAX_CONFIG_BYTES))
+        except NotReadable as exc:
+            raise ModelConfigError(f"{path}: cannot read the model config ({exc})") from None
+        except (ValueError, RecursionError) as exc:  # JSONDecodeError, integers of more than 4300 digits
             raise ModelConfigError(f"{path}: not a JSON model config ({exc})") from None
         check_values(cfg, source=str(path))
         return _with_family_defaults(cfg, source=str(path))

@@ -132,9 +132,13 @@ def output_path(option: str, value: str, *, plot: bool = False) -> Path:
     """A file preflight will write (``--json``, ``--plot``), checked before any work: its directory exists and is
     writable, it is not a directory, and a plot's suffix names a format. Raises InputError naming the option."""
     from verl_npu.atomic import writable_directory
+    from verl_npu.bounded_read import NotReadable, expand_user
     from verl_npu.inputs import InputError
 
-    path = Path(value).expanduser()
+    try:
+        path = expand_user(value)
+    except NotReadable as exc:
+        raise InputError(option, value, f"a path ({exc})") from None
     why = writable_directory(path)
     if why is not None:
         raise InputError(option, value, f"a file in an existing, writable directory ({why})")

@@ -22,7 +22,6 @@ import contextlib
 import functools
 import os
 import re
-import stat
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, replace
 from fnmatch import fnmatchcase
@@ -31,6 +30,7 @@ from pathlib import Path
 import tree_sitter_bash
 from tree_sitter import Language, Node, Parser
 
+from verl_npu.bounded_read import NotReadable, read_bytes
 from verl_npu.preflight.arith import Arith, ArithError, Limit
 
 NAME = re.compile(r"[A-Za-z_]\w*")
@@ -38,8 +38,7 @@ NAME = re.compile(r"[A-Za-z_]\w*")
 _SELF_DIR = re.compile(r"(?:cd\s+\$\()?dirname\s+\$\{?(0|BASH_SOURCE(?:\[0\])?)\}?\)?(?:\s*(?:&&|;)\s*pwd(?:\s+-P)?)?")
 # Set by bash itself, so never unset, but their values belong to the machine that runs the script.
 _SHELL_PROVIDED = re.compile(r"PWD|OLDPWD|HOME|USER|HOSTNAME|UID|EUID|RANDOM|SECONDS|PPID|BASHPID|SHELL|PATH")
-# IFS whitespace, except inside a <$(...)> placeholder, which stands for one unknown value.
-_SPLIT = re.compile(r"[ \t\n]+(?=[^<>]*(?:<|$))")
+_IFS = re.compile(r"[ \t\n]+")
 _ANSI = {"n": "\n", "t": "\t", "r": "\r", "a": "\a", "b": "\b", "e": "\x1b", "f": "\f", "v": "\v"}
 _BLOCKS = {"if_statement": "an if block", "case_statement": "a case block", "while_statement": "a while/until loop"}
 _BLOCKS |= {"for_statement": "a for loop", "c_style_for_statement": "a for loop"}
@@ -53,7 +52,8 @@ MAX_SCRIPT_BYTES = 4 << 20  # one script or sourced file
 MAX_VALUE_CHARS = 1 << 20  # one variable's value or one word
 MAX_ARRAY_ITEMS = 1 << 16  # one array
 MAX_STEPS = 20_000  # statements evaluated, functions and sourced files included
-MAX_TRIM_CHARS = 1 << 14  # ${x#pattern} and friends try every cut of the value: quadratic in its length
+MAX_SOURCED_BYTES = 64 << 20  # every sourced file together (the same file sourced again counts again)
+MAX_TRIM_WORK = 50_000_000  # ${x#pattern} tries every cut of the value: len(value)**2 / 2 characters each time
 # what bash expands inside $((...)) before it evaluates the text
 _ARITH_EXPANSIONS = {"simple_expansion", "expansion", "command_substitution", "arithmetic_expansion", "string"}
 _ARITH_EXPANSIONS |= {"raw_string", "ansi_c_string"}
@@ -84,37 +84,28 @@ def _short(text: str, limit: int = 80) -> str:
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
-class ScriptFileError(OSError):
-    """A script or sourced file that is not read: not a regular file, too large, or unreadable."""
+ScriptFileError = NotReadable  # a script or sourced file that is not read (verl_npu.bounded_read)
 
 
 def read_script_file(path: Path, limit: int = MAX_SCRIPT_BYTES) -> bytes:
-    """The bytes of a regular file of at most ``limit`` bytes, read without ever blocking.
+    """A script's bytes: a regular file of at most ``limit`` bytes, read without ever blocking (FIFOs, terminals,
+    ``/dev/stdin`` and devices are refused); raises ScriptFileError."""
+    return read_bytes(path, limit)
 
-    Opened non-blocking and checked on the open descriptor (no race with a file swapped in between): a FIFO,
-    a terminal, ``/dev/stdin`` or a device would block or never end, so only regular files are read.
-    """
-    if "\0" in str(path):
-        raise ScriptFileError("the path holds a NUL byte")
+
+def _is_file(path: Path) -> bool:
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_NOCTTY", 0))
-    except OSError as exc:
-        raise ScriptFileError(exc.strerror or str(exc)) from None
+        return path.is_file()
+    except (OSError, ValueError):  # a name too long, a NUL
+        return False
+
+
+def _resolved(path: Path) -> Path:
+    """``path.resolve()``, or its absolute form where resolving fails (a symlink loop, a name too long)."""
     try:
-        info = os.fstat(fd)
-        if not stat.S_ISREG(info.st_mode):
-            raise ScriptFileError("not a regular file (a pipe, device or terminal is never read: it may block)")
-        if info.st_size > limit:
-            raise ScriptFileError(f"larger than {limit >> 20} MiB ({info.st_size} bytes)")
-        chunks, total = [], 0
-        while chunk := os.read(fd, 1 << 16):
-            total += len(chunk)
-            if total > limit:  # it grew while being read
-                raise ScriptFileError(f"larger than {limit >> 20} MiB")
-            chunks.append(chunk)
-        return b"".join(chunks)
-    finally:
-        os.close(fd)
+        return path.resolve()
+    except (OSError, RuntimeError, ValueError):
+        return Path(os.path.abspath(path))
 
 
 def _size(value: str | list[str]) -> int:
@@ -196,7 +187,7 @@ def _fields(pieces: Pieces) -> list[str]:
     cur, have = "", False
     for kind, text in pieces:
         if kind == UNQUOTED:
-            for i, part in enumerate(_SPLIT.split(text)):
+            for i, part in enumerate(_split_ifs(text)):
                 if i and have:
                     out.append(cur)
                     cur, have = "", False
@@ -211,6 +202,27 @@ def _fields(pieces: Pieces) -> list[str]:
     return [*out, cur] if have else out
 
 
+def _split_ifs(text: str) -> list[str]:
+    """IFS whitespace splitting, except inside a <$(...)> placeholder, which stands for one unknown value.
+
+    Linear in the text: a space splits unless the next angle bracket after it is a ``>`` (it is inside a
+    placeholder).
+    """
+    if "<" not in text and ">" not in text:
+        return _IFS.split(text)
+    closes = [False] * (len(text) + 1)  # closes[i]: the first angle bracket at or after i is '>'
+    for i in range(len(text) - 1, -1, -1):
+        c = text[i]
+        closes[i] = True if c == ">" else False if c == "<" else closes[i + 1]
+    parts, start = [], 0
+    for m in _IFS.finditer(text):
+        if not closes[m.end()]:
+            parts.append(text[start : m.start()])
+            start = m.end()
+    parts.append(text[start:])
+    return parts
+
+
 def join_pieces(pieces: Pieces) -> str:
     """An assignment's value: no word splitting, "$@" joined by spaces."""
     _bounded(pieces)
@@ -219,6 +231,12 @@ def join_pieces(pieces: Pieces) -> str:
 
 def scalar(value: str | list[str]) -> str:
     return " ".join(value) if isinstance(value, list) else value
+
+
+def _pattern(pieces: Pieces) -> str:
+    """A bash pattern as fnmatch takes it: what was quoted in the script matches literally (``${x##"*"}``)."""
+    escape = {"*": "[*]", "?": "[?]", "[": "[[]"}
+    return "".join("".join(escape.get(c, c) for c in text) if kind == QUOTED else text for kind, text in pieces)
 
 
 def _trim(value: str, op: str, pattern: str) -> str:
@@ -258,6 +276,8 @@ class StaticShell:
         self.placeholders: dict[str, None] = {}  # every <...> made for a value only running the script would tell
         self.steps = 0  # statements evaluated (MAX_STEPS)
         self.stopped = False  # past MAX_STEPS: nothing more is evaluated
+        self.sourced_bytes = 0  # MAX_SOURCED_BYTES
+        self.trim_work = 0  # MAX_TRIM_WORK
 
     TARGET = "the command"  # what the messages call a recognised command
 
@@ -285,7 +305,7 @@ class StaticShell:
     def run_file(self, path: Path, data: bytes) -> None:
         tree = _parser().parse(data)
         outer, self.file = self.file, path
-        self.active.append(path.resolve())
+        self.active.append(_resolved(path))
         try:
             for bad in self._errors(tree.root_node) if tree.root_node.has_error else ():
                 msg = f"line {node_line(bad)} is not valid bash (near {node_text(bad).split(chr(10))[0][:40]!r}); "
@@ -301,6 +321,11 @@ class StaticShell:
         finally:
             self.file = outer
             self.active.pop()
+
+    def _holds_placeholder(self, value: str | list[str] | None) -> bool:
+        """Whether ``value`` holds one of this script's placeholders (a value only running it would tell)."""
+        texts = value if isinstance(value, list) else [value or ""]
+        return any("<" in t and any(marker in t for marker in self.placeholders) for t in texts)
 
     def placeholder(self, text: str, ctx: Taint, message: str, line: int | None) -> str:
         """The visible stand-in ``<text>`` for a value only running the script would tell, reported via ``ctx``."""
@@ -397,10 +422,19 @@ class StaticShell:
             msg = f"could not evaluate ${name}: its value would be longer than {MAX_VALUE_CHARS} characters; "
             val = self.placeholder(f"${name}", ctx, msg + f"{self.TARGET} gets <${name}>", node_line(node))
         if target.type == "subscript":
-            index = self._calc(target.child_by_field_name("index"), ctx) or 0
+            index = self._calc(target.child_by_field_name("index"), ctx)
+            if index is None:  # only known when the script runs: the whole array is unknown from here
+                ctx = Taint()
+                msg = f"{_short(node_text(target))} has an index only known when the script runs; ${name} is unknown"
+                self._set(name, self.placeholder(f"${name}", ctx, msg, node_line(node)), ctx, node_line(node))
+                return
             items = self.vars.get(name)
             if index < 0:  # from the end, as bash counts it
                 index += len(items) if isinstance(items, list) else (0 if items is None else 1)
+                if index < 0:
+                    msg = f"line {node_line(node)}: {_short(node_text(target))}: bad array subscript; bash assigns "
+                    self.report("warning", "arith-error", node_line(node), msg + "nothing")
+                    return
         old = self.vars.get(name)
         if index is not None or any(c.type == "+=" for c in node.children):
             ctx.merge(self.taint.get(name))
@@ -485,7 +519,9 @@ class StaticShell:
                 if "a" in letters or opt == "allexport":
                     self.allexport = flag[0] == "-"
         elif cmd == "shift":
-            self.args = self.args[int(rest[0]) if rest and rest[0].isdigit() and len(rest[0]) < 10 else 1 :]
+            count = int(rest[0]) if rest and rest[0].isdigit() and len(rest[0]) < 10 else 1 if not rest else None
+            if count is not None and count <= len(self.args):  # bash refuses to shift past $# and changes nothing
+                self.args = self.args[count:]
         elif cmd == "unset":
             for name in (w for w in rest if not w.startswith("-")):
                 self.vars.pop(name, None)
@@ -512,16 +548,20 @@ class StaticShell:
         path = Path(word.replace("\0", "?"))  # a NUL cannot name a file: read_script_file refuses the real word
         if not path.is_absolute():  # relative to the script, never to preflight's own working directory
             dirs = (self.file.parent, self.main.parent)
-            path = next((d / path for d in dirs if (d / path).is_file()), self.file.parent / path)
-        if path.resolve() in self.active:
+            path = next((d / path for d in dirs if _is_file(d / path)), self.file.parent / path)
+        if _resolved(path) in self.active:
             return
+        left = MAX_SOURCED_BYTES - self.sourced_bytes
         try:
-            data = read_script_file(Path(word) if "\0" in word else path)
+            if left <= 0:
+                raise ScriptFileError(f"the files sourced before it already hold {MAX_SOURCED_BYTES >> 20} MiB")
+            data = read_script_file(Path(word) if "\0" in word else path, min(left, MAX_SCRIPT_BYTES))
         except ScriptFileError as exc:
             msg = f"`source {word}`: {path} is not read here ({exc}), so the variables it sets are unknown to "
             msg += "preflight"
             self.report("warning", "unresolved", line, msg)
             return
+        self.sourced_bytes += len(data)
         self.run_file(path, data)
 
     # words
@@ -648,7 +688,11 @@ class StaticShell:
             items = arr if isinstance(arr, list) else ([] if arr is None else [arr])
             if node_text(index) in ("@", "*"):
                 return name, list(items), node_text(index) == "*"
-            i = self._calc(index, ctx) or 0
+            i = self._calc(index, ctx)
+            if i is None:  # the index is only known when the script runs (or past a bound): so is the element
+                text = f"${{{node_text(target)}}}"
+                msg = f"{_short(text)}: its index is not known statically; {self.TARGET} gets <{_short(text)}>"
+                return name, self.placeholder(text, ctx, msg, line), False
             return name, items[i] if -len(items) <= i < len(items) else None, False
         if name in ("@", "*"):
             ctx.passthrough = True
@@ -656,11 +700,10 @@ class StaticShell:
         if name == "#":
             return name, str(len(self.args)), False
         if name.isdigit():
-            return (
-                name,
-                str(self.main.absolute()) if name == "0" else dict(enumerate(self.args, 1)).get(int(name)),
-                False,
-            )
+            if name == "0":
+                return name, str(self.main.absolute()), False
+            number = int(name) if len(name) <= 9 else None  # ${99999...}: far past any argument
+            return name, self.args[number - 1] if number is not None and 1 <= number <= len(self.args) else None, False
         if target.type == "special_variable_name":
             return name, self.placeholder(f"${name}", ctx, f"${name} is only known while the script runs", line), False
         val = self._var(name, ctx, line)
@@ -696,32 +739,63 @@ class StaticShell:
         val, rest = p.val, p.rest
         values, apply = (val if isinstance(val, list) else [val]), None
         if op in ("#", "##", "%", "%%"):
-            if max(map(len, values), default=0) <= MAX_TRIM_CHARS:  # every cut of the value is tried
-                apply = functools.partial(_trim, op=op, pattern=join_pieces(self._operand(p, ctx, True)))
+            work = sum(len(v) * (len(v) + 1) // 2 for v in values)  # every cut of each value is tried
+            if self.trim_work + work <= MAX_TRIM_WORK:
+                self.trim_work += work
+                apply = functools.partial(_trim, op=op, pattern=_pattern(self._operand(p, ctx, False)))
         elif op in ("/", "//"):
             cut = next((k for k in rest[1:] if k.type == "/"), None)  # none: ${x/pattern} deletes the match
-            find = join_pieces(self._operand(p, ctx, True, end=cut.start_byte if cut else 0))
+            pieces = self._operand(p, ctx, False, end=cut.start_byte if cut else 0)
+            find = join_pieces(pieces)
             repl = join_pieces(self._operand(p, ctx, True, lo=cut.end_byte)) if cut else ""
+            glob = any(kind != QUOTED and re.search(r"[*?\[]", text) for kind, text in pieces)
             grows = sum(v.count(find) for v in values) * max(len(repl) - len(find), 0) if find else 0
             if not find:  # bash replaces nothing for an empty pattern
                 apply = str
-            elif not re.search(r"[*?\[]", find) and sum(map(len, values)) + grows <= MAX_VALUE_CHARS:
+            elif not glob and sum(map(len, values)) + grows <= MAX_VALUE_CHARS:
                 apply = lambda v: v.replace(find, repl, -1 if op == "//" else 1)  # noqa: E731
         elif op in (",,", "^^"):
             apply = str.lower if op == ",," else str.upper
         elif op == ":" and (numbers := [self._calc(k, ctx) for k in rest[1:] if k.type != ":"]) and None not in numbers:
-            start = numbers[0] - (p.name == "@")  # ${@:1} starts at $1, which is args[0]
-            # a negative length counts from the end, as bash does for strings
-            stop = (start + numbers[1] if numbers[1] >= 0 else numbers[1]) if len(numbers) > 1 else None
+            length = numbers[1] if len(numbers) > 1 else None
             if isinstance(val, list):
-                return self._out(values[start:stop], p.quoted, p.star)
-            apply = lambda v: v[start:stop]  # noqa: E731
+                items = [str(self.main.absolute()), *values] if p.name == "@" else values  # ${@:0} is $0
+                return self._out(self._slice_items(items, numbers[0], length, p), p.quoted, p.star)
+            apply = functools.partial(self._slice_text, start=numbers[0], length=length, p=p)
         if apply is None:
             text = node_text(p.node)
             msg = f"{_short(text)} is not understood by preflight; {self.TARGET} gets <{_short(text)}>"
             return [(QUOTED, self.placeholder(text, ctx, msg, p.line))]
         mapped = [apply(v) for v in values]
         return self._out(mapped if isinstance(val, list) else mapped[0], p.quoted, p.star)
+
+    def _substring_error(self, p: _Param, length: int) -> None:
+        msg = f"line {p.line}: {length}: substring expression < 0: bash abandons the command there"
+        self.report("error", "arith-error", p.line, msg)
+        raise _Abandoned
+
+    def _slice_text(self, v: str, start: int, length: int | None, p: _Param) -> str:
+        """${x:start:length} as bash takes it: negative start and length count from the end."""
+        n = len(v)
+        off = start if start >= 0 else n + start
+        if off < 0 or off > n:
+            return ""
+        if length is None:
+            return v[off:]
+        end = off + length if length >= 0 else n + length
+        if end < off:
+            self._substring_error(p, length)
+        return v[off:end]
+
+    def _slice_items(self, items: list[str], start: int, length: int | None, p: _Param) -> list[str]:
+        """${A[@]:start:length} and ${@:start:length}: a negative start counts from the end; a negative length fails."""
+        n = len(items)
+        off = start if start >= 0 else n + start  # for $@ items[0] is $0, so ${@: -1} is the last argument
+        if off < 0:
+            return []
+        if length is not None and length < 0:
+            self._substring_error(p, length)
+        return items[off : None if length is None else off + length]
 
     @staticmethod
     def _out(val: str | list[str], quoted: bool, star: bool) -> Pieces:
@@ -745,7 +819,7 @@ class StaticShell:
         sub = Taint()
         text = self._arith_text(node, sub, node.start_byte if lo is None else lo, node.end_byte if hi is None else hi)
         ctx.merge(sub)
-        if sub.unknown:
+        if sub.unknown or self._holds_placeholder(text):
             return None
         return self._eval_arith(text, ctx, node_line(node), stops)
 
@@ -754,12 +828,12 @@ class StaticShell:
         raw, base = node.text or b"", node.start_byte
         out: list[str] = []
         pos = lo
-        stack = list(reversed(node.children))  # document order, iteratively: 1+1+...+1 nests as deep as it is long
+        stack = [node]  # document order, iteratively: 1+1+...+1 nests as deep as it is long
         while stack:
             kid = stack.pop()
             if kid.end_byte <= lo or kid.start_byte >= hi:
                 continue
-            if kid.type in _ARITH_EXPANSIONS:
+            if kid.type in _ARITH_EXPANSIONS and kid.start_byte >= lo and kid.end_byte <= hi:
                 out.append(raw[pos - base : kid.start_byte - base].decode(errors="replace"))
                 out.append(join_pieces(self._pieces(kid, ctx)))
                 pos = kid.end_byte
@@ -774,9 +848,7 @@ class StaticShell:
 
         def lookup(name: str, index: int | None) -> str | None:
             value = self._var(name, sub, line)
-            if sub.unknown or (
-                isinstance(value, str) and value in self.placeholders
-            ):  # a value only running the script would tell
+            if sub.unknown or self._holds_placeholder(value):  # a value only running the script would tell
                 raise _Unknown
             if value is None:
                 sub.unset[(name, line, self.nounset)] = None
@@ -792,6 +864,8 @@ class StaticShell:
             old = self.vars.get(name)
             items = old if isinstance(old, list) else ([] if old is None else [old])
             index = index + len(items) if index < 0 else index
+            if index < 0:
+                raise ArithError(f"{name}[{index - len(items)}]: bad array subscript")
             self._set(name, [*items[:index], str(value), *items[index + 1 :]], Taint(), line)
 
         try:

@@ -33,11 +33,16 @@ from pathlib import Path
 from typing import Any
 
 from verl_npu import atomic, processes
+from verl_npu.bounded_read import MIB, NotReadable, expand_user, read_bytes, read_text
 from verl_npu.checks import FAIL, STATUSES, Check
 
 CACHE_FORMAT = 2  # what a cache entry holds (format 1: the answer and its sha256 only)
 WORKER_COMMAND = (sys.executable, "-m", "verl_npu.preflight.worker")
 WORKER_TIMEOUT_S = 300.0
+MAX_MODEL_CONFIG_BYTES = 16 * MIB
+MAX_ENTRY_BYTES = 64 * MIB  # one cache entry (the composed config and the model config)
+MAX_CONFIG_FILES = 4096  # YAML files under the config directories a cache key hashes
+MAX_CONFIG_BYTES = 64 * MIB
 
 
 def cache_dir() -> Path:
@@ -51,12 +56,31 @@ def _warn(message: str) -> None:
 def _model_file_digest(source: str | None) -> str:
     if not source:
         return ""
-    path = Path(source).expanduser()
     try:
+        path = expand_user(source)
         path = path / "config.json" if path.is_dir() else path
-        return hashlib.sha256(path.read_bytes()).hexdigest() if path.is_file() else "absent"
-    except OSError:
+        return hashlib.sha256(read_bytes(path, MAX_MODEL_CONFIG_BYTES)).hexdigest() if path.is_file() else "absent"
+    except (OSError, ValueError):  # NotReadable; a path the OS cannot take
         return "unreadable"
+
+
+def _config_dirs_digest(digest: Any, dirs: Sequence[Path]) -> bool:
+    """Hash the YAML files the overrides compose from; False when there are more than a cache key can read."""
+    files = total = 0
+    for config_dir in dirs:
+        for source in sorted(config_dir.rglob("*.yaml")):
+            files += 1
+            if files > MAX_CONFIG_FILES:
+                return False
+            try:
+                data = read_bytes(source, MAX_CONFIG_BYTES)
+            except NotReadable as exc:  # a FIFO or a directory named x.yaml, an unreadable file: its name only
+                data = f"not read: {exc}".encode()
+            total += len(data)
+            if total > MAX_CONFIG_BYTES:
+                return False
+            digest.update(str(source.relative_to(config_dir)).encode() + data)
+    return True
 
 
 def _version(dist: str) -> str:
@@ -77,10 +101,11 @@ def cache_key(
     model_config: str | None,
     beside_script: str | None = None,
     config_dirs: Sequence[Path] | None = None,
-) -> str:
+) -> str | None:
     """What the answer depends on, known before composition (so a hit neither composes nor starts the worker).
 
-    ``config_dirs``: the directories the overrides compose from (None: verl's own), hashed with every YAML in them.
+    ``config_dirs``: the directories the overrides compose from (None: verl's own), hashed with every YAML in them;
+    None when they hold more than :data:`MAX_CONFIG_FILES` files or :data:`MAX_CONFIG_BYTES` (then no cache).
     """
     from verl_npu.preflight.config_check import verl_config_dir
 
@@ -92,9 +117,8 @@ def cache_key(
     digest.update(sys.version.encode())
     for source in sorted(Path(__file__).parent.glob("*.py")):  # the checks themselves
         digest.update(source.read_bytes())
-    for config_dir in dirs:  # what the overrides compose with
-        for source in sorted(config_dir.rglob("*.yaml")):
-            digest.update(str(source.relative_to(config_dir)).encode() + source.read_bytes())
+    if not _config_dirs_digest(digest, dirs):  # what the overrides compose with
+        return None
     return digest.hexdigest()
 
 
@@ -205,8 +229,12 @@ class PreflightWorker:
         """``beside_script``: a config.json next to the launch script, the model config when the model is not here;
         ``config_dirs``: the directories the overrides compose from (None: verl's own)."""
         self._beside = beside_script
-        self._key = cache_key(config_name, overrides, model_config, beside_script, config_dirs)
-        self._cache = self._usable_cache(cache_dir() / f"{self._key}.json") if use_cache else None
+        self._key = cache_key(config_name, overrides, model_config, beside_script, config_dirs) if use_cache else None
+        if use_cache and self._key is None:
+            where = ", ".join(map(str, config_dirs or ()))
+            _warn(f"the config directories {where} hold more than {MAX_CONFIG_FILES} YAML files or "
+                  f"{MAX_CONFIG_BYTES >> 20} MiB: checking without a cache")  # fmt: skip
+        self._cache = self._usable_cache(cache_dir() / f"{self._key}.json") if self._key is not None else None
         self._composed: Any = None
         self._hit = self._cached_answer()
         self._child = None
@@ -239,12 +267,12 @@ class PreflightWorker:
     def _cached_answer(self) -> dict[str, Any] | None:
         if self._cache is None:
             return None
-        try:
-            text = self._cache.read_text(encoding="utf-8")
-        except FileNotFoundError:
+        if not self._cache.exists():
             return None
-        except (OSError, UnicodeDecodeError) as exc:
-            return self._ignored(f"unreadable ({getattr(exc, 'strerror', None) or exc})")
+        try:
+            text = read_text(self._cache, MAX_ENTRY_BYTES)
+        except NotReadable as exc:
+            return self._ignored(f"unreadable ({exc})")
         answer, why = _read_entry(text, self._key)
         if answer is None:  # damaged or foreign: the worker recomputes it and the file is rewritten whole
             return self._ignored(why)

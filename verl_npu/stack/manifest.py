@@ -14,11 +14,13 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, NoReturn
 
+from verl_npu.bounded_read import MIB, NotReadable, read_bytes
 from verl_npu.errors import UserError
 
 MANIFEST_PATH = Path(__file__).with_name("stack.toml")
 REPO_ROOT = Path(__file__).resolve().parents[2]
 SCHEMA_VERSION = 1
+MAX_MANIFEST_BYTES = 4 * MIB
 UNVERIFIED = "UNVERIFIED"
 NPU_TARGETS = ("a2", "a3")
 TARGETS = (*NPU_TARGETS, "dev")
@@ -288,12 +290,12 @@ def _components(path: Path, where: str, data: Any, load) -> dict:
 def load_stack(path: Path | str = MANIFEST_PATH) -> Stack:
     """Load and validate a manifest; raise :class:`StackError` naming the file and key (never another exception)."""
     path = Path(path)
+    if not path.exists():
+        raise StackError(f"{path}: manifest not found")
     try:
-        raw = tomllib.loads(path.read_bytes().decode("utf-8"))
-    except FileNotFoundError:
-        raise StackError(f"{path}: manifest not found") from None
-    except OSError as exc:
-        raise StackError(f"{path}: cannot read the manifest ({exc.strerror or exc})") from None
+        raw = tomllib.loads(read_bytes(path, MAX_MANIFEST_BYTES).decode("utf-8"))
+    except NotReadable as exc:
+        raise StackError(f"{path}: cannot read the manifest ({exc})") from None
     except UnicodeDecodeError as exc:
         raise StackError(f"{path}: not UTF-8 text (byte {exc.start}: {exc.reason})") from None
     except tomllib.TOMLDecodeError as exc:

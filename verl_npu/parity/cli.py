@@ -1,0 +1,125 @@
+"""`verl-npu parity`: the platform-parity job and its comparison with the CUDA reference.
+
+    verl-npu parity run --dtype bf16 --out run.json [--model glm5_2 --model dense] [--path portable] [--steps 3]
+    verl-npu parity compare run.json [--reference ci/baselines/parity/reference.json] [--against other.json]
+                                     [--exact] [--json report.json] [--plot layers.png]
+    verl-npu parity reference --bf16 a.json --fp32 b.json --fp64 c.json --bf16-repeat d.json
+                              --fp32-repeat e.json --out ci/baselines/parity/reference.json
+
+Exit codes: 0 the comparison passes (or the run / reference was written); 1 it fails; 2 a bad input (the message
+names it), in which case nothing is written (docs/errors.md).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from verl_npu.parity.models import MODELS, REPO_ROOT
+
+DEFAULT_REFERENCE = REPO_ROOT / "ci" / "baselines" / "parity" / "reference.json"
+
+
+def _output(option: str, value: str | None) -> Path | None:
+    """An output file, checked before any work (its directory exists and is writable)."""
+    if value is None:
+        return None
+    from verl_npu.atomic import writable_directory
+    from verl_npu.inputs import InputError
+
+    why = writable_directory(value)
+    if why is not None:
+        raise InputError(option, value, f"a file in an existing, writable directory ({why})")
+    return Path(value)
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    from verl_npu.parity import job
+
+    options = job.RunOptions(models=tuple(args.model or job.DEFAULT_MODELS), dtype=args.dtype, steps=args.steps,
+                             path=args.path)  # fmt: skip
+    out = _output("--out", args.out)
+    result = job.run(options)
+    job.write(result, out)
+    models = ", ".join(result["models"])
+    print(f"verl-npu parity run: {models} in {args.dtype} on {result['device']} -> {out}", file=sys.stderr)
+    return 0
+
+
+def cmd_compare(args: argparse.Namespace) -> int:
+    from verl_npu import atomic
+    from verl_npu.checks import table
+    from verl_npu.parity import compare as cmp
+    from verl_npu.parity.job import RUN_KIND
+
+    json_path, plot_path = _output("--json", args.json), _output("--plot", args.plot)
+    run = cmp.load(args.run, RUN_KIND)
+    ref = cmp.load(args.reference, cmp.REFERENCE_KIND)
+    mode = "exact" if args.exact else "pair" if args.against else "reference"
+    if args.exact and not args.against:
+        from verl_npu.inputs import InputError
+
+        raise InputError("--exact", True, "--against OTHER_RUN as well (exact compares two runs of one build)")
+    against = cmp.load(args.against, RUN_KIND) if args.against else cmp.reference_run(ref, cmp.run_dtype(run))
+    result = cmp.compare(run, against, ref, mode, models=args.model)
+    from rich.console import Console
+
+    Console(width=max(Console().width, 140)).print(
+        table(result.checks, cmp.as_table_title(run, against, mode), escape=True)
+    )
+    if json_path is not None:
+        report = {"run": args.run, "against": against.get("_path"), "mode": mode, **result.to_dict()}
+        atomic.write_text(json_path, json.dumps(report, indent=2, allow_nan=False, default=str) + "\n")
+    if plot_path is not None:
+        cmp.plot(result, plot_path, cmp.as_table_title(run, against, mode))
+    faults = {m: p for m, p in result.first_fault.items() if p}
+    verdict = "FAIL" if result.failed else "OK"
+    where = "; ".join(f"{m}: first fault at {p}" for m, p in faults.items())
+    print(f"verl-npu parity compare: {verdict}" + (f" ({where})" if where else ""), file=sys.stderr)
+    return 1 if result.failed else 0
+
+
+def cmd_reference(args: argparse.Namespace) -> int:
+    from verl_npu import atomic
+    from verl_npu.parity import compare as cmp
+    from verl_npu.parity.job import RUN_KIND
+
+    out = _output("--out", args.out)
+    runs = {d: cmp.load(getattr(args, d), RUN_KIND) for d in ("bf16", "fp32", "fp64")}
+    repeats = {d: cmp.load(getattr(args, f"{d}_repeat"), RUN_KIND) for d in ("bf16", "fp32")}
+    data = cmp.reference(runs, repeats)
+    atomic.write_text(out, json.dumps(data, indent=1, allow_nan=False) + "\n")
+    print(f"verl-npu parity reference: {out} from {data['device']}", file=sys.stderr)
+    return 0
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    from verl_npu.parity.job import DEFAULT_STEPS, DTYPES, PATHS
+
+    parity = sub.add_parser("parity", help="the platform-parity job and its comparison with the CUDA reference")
+    parity_sub = parity.add_subparsers(dest="parity_command", required=True)
+    p = parity_sub.add_parser("run", help="run the deterministic parity job on this machine; write its JSON")
+    p.add_argument("--model", action="append", help=f"a parity model (repeatable): {', '.join(MODELS)}")
+    p.add_argument("--dtype", choices=DTYPES, default="fp32")
+    p.add_argument("--path", choices=PATHS, default="default", help="the operators (default: the platform's)")
+    p.add_argument("--steps", type=int, default=DEFAULT_STEPS, help="training steps")
+    p.add_argument("--out", required=True, metavar="FILE")
+    p.set_defaults(func=cmd_run)
+    p = parity_sub.add_parser("compare", help="a run against the reference (or another run); exit 1 on a mismatch")
+    p.add_argument("run", help="a `parity run` JSON")
+    p.add_argument("--reference", default=str(DEFAULT_REFERENCE), help="the CUDA reference (its tolerances)")
+    p.add_argument("--against", metavar="RUN", help="compare with this run instead of the reference's")
+    p.add_argument("--exact", action="store_true", help="with --against: any difference fails (one build, one node)")
+    p.add_argument("--model", action="append", help="judge only this model (repeatable; default: every model)")
+    p.add_argument("--json", metavar="FILE")
+    p.add_argument("--plot", metavar="FILE", help="per-layer differences (png, svg, pdf)")
+    p.set_defaults(func=cmd_compare)
+    p = parity_sub.add_parser("reference", help="derive the tolerances from reference-device runs; write the file")
+    for dtype in ("bf16", "fp32", "fp64"):
+        p.add_argument(f"--{dtype}", required=True, metavar="RUN")
+    for dtype in ("bf16", "fp32"):
+        p.add_argument(f"--{dtype}-repeat", required=True, metavar="RUN", help=f"a second {dtype} run")
+    p.add_argument("--out", required=True, metavar="FILE")
+    p.set_defaults(func=cmd_reference)

@@ -1,0 +1,450 @@
+"""``verl-npu parity run``: one deterministic engine-level job, no rollout, the same numbers on every platform.
+
+For each parity model (verl_npu.parity.models) the job writes its checkpoint, builds it the way the verl-npu
+Megatron engine builds it for a launch (verl 0.9.1's vanilla-mbridge sequence with the engine's steps from
+verl_npu.engine.build: build plan, MindSpeed's repatch on Ascend, the local spec elsewhere, the runtime patches of
+verl_npu.megatron_adaptor, DDP with the distributed optimizer, full activation recompute as the GLM-5.2 launch
+runs it), then:
+
+1. evaluates a fixed batch (no grad, ``micro_batches`` micro-batches): per-token log-probs, activation checksums
+   (verl_npu.parity.probes) and every DSA layer's top-k;
+2. trains ``steps`` steps on fixed batches with a policy-gradient loss (fixed per-token advantages), recording each
+   step's loss and gradient norm, with the engine's offload manager moving params, grads and optimizer state to
+   the host and back between steps;
+3. evaluates the log-probs again.
+
+Deterministic: ``torch.use_deterministic_algorithms(True)`` (verl's deterministic mode; every verl-npu op is
+bitwise repeatable there or refuses by name), so two runs on one machine agree bit for bit. It runs on the CUDA
+reference device without verl's Ray-based driver stack, which that device does not carry; the model it builds is
+the one verl's engine builds (tests_npu/test_parity_engine.py checks their log-probs agree on the CPU).
+
+``path``: ``default`` (what a launch gets on this platform: on Ascend MindSpeed's fused DSA operators for the model
+whose shapes they take), ``portable`` (verl-npu's portable PyTorch operators only) or ``fused`` (Ascend's fused
+DSA operators required).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import datetime
+import importlib.metadata
+import json
+import os
+import platform as host_platform
+import tempfile
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+from verl_npu.errors import UserError
+from verl_npu.parity.models import (
+    DEFAULT_MODELS,
+    MODELS,
+    REPO_ROOT,
+    ParityModel,
+    advantages,
+    evaluation_tokens,
+    training_tokens,
+    write_checkpoint,
+)
+
+RUN_KIND = "verl-npu parity run"
+FORMAT = 1
+DTYPES = ("bf16", "fp32", "fp64")
+PATHS = ("default", "portable", "fused")
+DEFAULT_STEPS = 3
+LEARNING_RATE = 1e-3
+# MindSpeed's four DSA switches (they go on together: verl_npu/contracts/mindspeed.py)
+FUSED_DSA_FLAGS = ("use_dsa_absorb", "use_fused_lightning_indexer", "use_fused_sparse_flash_attention",
+                   "use_fused_lightning_indexer_kl_loss")  # fmt: skip
+
+
+class ParityError(UserError):
+    """A parity run that cannot start: an unknown model, dtype or path, or a path this platform has not."""
+
+
+@dataclasses.dataclass(frozen=True)
+class RunOptions:
+    models: tuple[str, ...] = DEFAULT_MODELS
+    dtype: str = "fp32"
+    steps: int = DEFAULT_STEPS
+    path: str = "default"
+
+    def __post_init__(self) -> None:
+        from verl_npu import inputs
+
+        unknown = [m for m in self.models if m not in MODELS]
+        if unknown or not self.models:
+            raise ParityError(f"--model {', '.join(unknown) or '(none)'}: choose from {', '.join(MODELS)}")
+        inputs.choice("--dtype", self.dtype, DTYPES)
+        inputs.choice("--path", self.path, PATHS)
+        inputs.integer("--steps", self.steps, minimum=1, maximum=100)
+
+
+# --- the platform -------------------------------------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class Device:
+    platform: str  # cpu, cuda or ascend (verl_npu.platform)
+    name: str  # what the machine calls the device
+
+    @property
+    def torch_device(self) -> Any:
+        import torch
+
+        if self.platform == "cpu":
+            return torch.device("cpu")
+        return torch.device("cuda" if self.platform == "cuda" else "npu", 0)
+
+
+def start_device() -> Device:
+    """This process's device in deterministic mode, with a one-rank process group and megatron's parallel state."""
+    from verl_npu import platform as platforms
+
+    kind = platforms.detect()
+    if kind == "cuda":
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # cuBLAS is deterministic only with it
+    elif kind == "ascend":
+        os.environ.setdefault("HCCL_DETERMINISTIC", "true")
+        os.environ.setdefault("CLOSE_MATMUL_K_SHIFT", "1")
+    os.environ.setdefault("VERL_NPU_ALLOW_MISMATCH", "1")  # the reference device's torch differs from the pin
+    import torch
+
+    # warn_only: an op without a deterministic kernel (megatron's, torch's) runs and is recorded, never silently;
+    # verl-npu's own ops are deterministic there or refuse by name (issue 18), and run-to-run spread is measured
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    import verl_npu.megatron_adaptor as layer
+
+    layer.load()
+    from verl_npu.engine.single_process import init_single_process
+
+    if kind == "cpu":
+        from verl_npu.engine import cpu_device
+
+        cpu_device.activate()
+        init_single_process("gloo")
+        return Device(kind, _cpu_name())
+    init_single_process("nccl" if kind == "cuda" else "hccl", device_index=0)
+    name = torch.cuda.get_device_name(0) if kind == "cuda" else torch.npu.get_device_name(0)
+    return Device(kind, name)
+
+
+def _cpu_name() -> str:
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return "cpu: " + line.split(":", 1)[1].strip()
+    return "cpu: " + (host_platform.processor() or host_platform.machine())
+
+
+def versions() -> dict[str, str]:
+    out = {"python": host_platform.python_version()}
+    for dist in ("torch", "torch-npu", "megatron-core", "mbridge", "transformers", "triton", "verl", "verl-npu"):
+        with contextlib.suppress(importlib.metadata.PackageNotFoundError):
+            out[dist] = importlib.metadata.version(dist)
+    out["verl-npu commit"] = _commit()
+    return out
+
+
+def _commit() -> str:
+    if os.environ.get("VERL_NPU_COMMIT"):
+        return os.environ["VERL_NPU_COMMIT"]
+    from verl_npu import processes
+
+    try:
+        done = processes.run(["git", "-C", str(REPO_ROOT), "rev-parse", "HEAD"], timeout=10)
+    except OSError:
+        return "unknown"
+    return str(done.stdout).strip() if done.ok else "unknown"
+
+
+# --- the engine -------------------------------------------------------------------------------------------------------
+def torch_dtype(dtype: str) -> Any:
+    import torch
+
+    return {"bf16": torch.bfloat16, "fp32": torch.float32, "fp64": torch.float64}[dtype]
+
+
+def engine_config(model: ParityModel, device: Device, path: str, dtype: str = "bf16") -> dict[str, Any]:
+    """The launch-level engine settings (``actor_rollout_ref.actor.megatron``), as the GLM-5.2 example sets them
+    where they change numerics; ``allgather`` tokens to the experts on every platform (megatron's alltoall needs
+    CUDA streams, and one rank makes the two the same computation). The fp64 run, which only measures fp32's error,
+    uses megatron's plain optimizer: its distributed optimizer takes fp32, fp16 and bf16 parameters only (on one
+    rank both run the same Adam)."""
+    otc: dict[str, Any] = {
+        "hidden_dropout": 0.0, "attention_dropout": 0.0, "moe_token_dispatcher_type": "allgather",
+        "variable_seq_lengths": False, "recompute_granularity": "full", "recompute_method": "uniform",
+        "recompute_num_layers": 1, "use_cpu_initialization": device.platform == "cpu",
+    }  # fmt: skip
+    fused = path == "fused" or (path == "default" and device.platform == "ascend" and model.fused_dsa)
+    if fused:
+        if device.platform != "ascend":
+            raise ParityError(
+                f"--path fused: MindSpeed's fused DSA operators run on Ascend only, not {device.platform}"
+            )
+        if not model.fused_dsa:
+            raise ParityError(f"--path fused: model {model.name}'s shapes are not the ones the fused DSA operators "
+                              "take; use glm5_2_fused_shape")  # fmt: skip
+        otc |= dict.fromkeys(FUSED_DSA_FLAGS, True)
+    return {
+        "vanilla_mbridge": True, "use_distributed_optimizer": dtype != "fp64", "use_remove_padding": False,
+        "override_transformer_config": otc,
+        # fp64: gradients in fp64 too (megatron reduces them in fp32 by default, which an fp64 parameter refuses)
+        "override_ddp_config": {"grad_reduce_in_fp32": False} if dtype == "fp64" else {},
+    }  # fmt: skip
+
+
+CLIP_GRAD = 1.0  # verl's default optim.clip_grad
+OPTIMIZER = {"optimizer": "adam", "lr": LEARNING_RATE, "weight_decay": 0.01}
+
+
+@dataclasses.dataclass
+class Built:
+    module: list[Any]
+    optimizer: Any
+    plan: Any
+    gpt: Any
+    clip_here: bool = False  # fp64: megatron's clipping takes fp32 gradients only, so the job clips (same formula)
+
+
+def build(model: ParityModel, checkpoint: Path, device: Device, dtype: str, path: str) -> Built:
+    """The model as the verl-npu engine builds it (module docstring), its weights loaded, and its optimizer."""
+    from mbridge import AutoBridge
+    from megatron.core.distributed import finalize_model_grads
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+    from transformers import AutoConfig
+
+    from verl_npu.engine import build as engine_build
+    from verl_npu.engine.build_plan import build_plan
+
+    hf_config = as_verl_loads_it(AutoConfig.from_pretrained(checkpoint))
+    settings = engine_config(model, device, path, dtype)
+    distributed = settings["use_distributed_optimizer"]
+    plan = build_plan(settings, {"lr": LEARNING_RATE}, hf_config, device.platform)
+    otc, ddp = engine_build.engine_overrides(plan, settings["override_ddp_config"])
+    engine_build.enter_mindspeed(plan)
+    params_dtype = torch_dtype(dtype)
+    bridge = AutoBridge.from_config(hf_config, dtype=params_dtype)
+    bridge.set_extra_args(**otc)
+    bridge.config.bf16, bridge.config.fp16 = dtype == "bf16", False
+    engine_build.adapt_bridge(bridge, plan)
+    module = bridge.get_model(
+        wrap_with_ddp=True, fp16=False, bf16=dtype == "bf16", post_model_creation_callbacks=[],
+        ddp_config={"use_distributed_optimizer": distributed, **ddp},
+    )  # fmt: skip
+    module = module if isinstance(module, list) else [module]
+    engine_build.adapt_module(bridge, module)
+    bridge.load_weights(module, str(checkpoint))
+    config = module[0].config
+    optimizer_config = OptimizerConfig(
+        **OPTIMIZER, clip_grad=0.0 if dtype == "fp64" else CLIP_GRAD, bf16=dtype == "bf16", params_dtype=params_dtype,
+        use_distributed_optimizer=distributed,
+    )  # fmt: skip
+    optimizer = get_megatron_optimizer(optimizer_config, module)
+    config.finalize_model_grads_func = finalize_model_grads
+    config.grad_scale_func = optimizer.scale_loss
+    return Built(module, optimizer, plan, _gpt(module[0]), clip_here=dtype == "fp64")
+
+
+def as_verl_loads_it(hf_config: Any) -> Any:
+    """The HF config with the edits verl 0.9.1 makes before its engine builds: HFModelConfig zeroes the MTP layer
+    counts when MTP is off (verl/workers/config/model.py), make_megatron_module puts ``rope_theta`` on the root
+    where transformers 5 keeps it in ``rope_parameters`` (verl/utils/megatron_utils.py, get_hf_rope_theta)."""
+    for key in ("num_nextn_predict_layers", "mtp_num_hidden_layers"):
+        if hasattr(hf_config, key):
+            setattr(hf_config, key, 0)
+    if getattr(hf_config, "rope_theta", None) is None:
+        rope = getattr(hf_config, "rope_parameters", None)
+        if isinstance(rope, dict) and "rope_theta" in rope:
+            hf_config.rope_theta = rope["rope_theta"]
+    return hf_config
+
+
+def _gpt(chunk: Any) -> Any:
+    from verl_npu.parity.probes import unwrap
+
+    return unwrap(chunk)
+
+
+# --- running it -----------------------------------------------------------------------------------------------------
+def _micro_batches(tokens: Any, count: int) -> list[Any]:
+    return list(tokens.chunk(count, dim=0))
+
+
+def token_log_probs(logits: Any, tokens: Any) -> Any:
+    """log p(token t | tokens < t) for t >= 1, from [b, s, V] logits (as verl's log-probs: fp32 or wider)."""
+    import torch
+
+    wide = logits if logits.dtype == torch.float64 else logits.float()
+    return torch.log_softmax(wide[:, :-1], dim=-1).gather(-1, tokens[:, 1:, None]).squeeze(-1)
+
+
+def _forward_backward(built: Built, batches: Sequence[Any], loss: Callable[[Any, Any, int], Any], forward_only: bool):
+    """megatron's schedule over the micro-batches, as verl's engine runs it; per micro-batch what ``loss`` returned."""
+    import torch
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    seen: list[Any] = []
+    data = iter(enumerate(batches))
+
+    def forward_step(iterator, model):
+        index, tokens = next(iterator)
+        positions = torch.arange(tokens.shape[1], device=tokens.device).expand_as(tokens)
+        logits = model(tokens, positions, None)
+
+        def loss_func(output):
+            value, record = loss(output, tokens, index)
+            seen.append(record)
+            return value, {"loss": value.detach()}
+
+        return logits, loss_func
+
+    get_forward_backward_func()(
+        forward_step_func=forward_step, data_iterator=data, model=built.module, num_microbatches=len(batches),
+        seq_length=batches[0].shape[1], micro_batch_size=batches[0].shape[0], forward_only=forward_only,
+    )  # fmt: skip
+    return seen
+
+
+def evaluate(built: Built, model: ParityModel, device: Device, probes: Any = None) -> dict[str, Any]:
+    """Log-probs of the evaluation batch; with ``probes``, the checksums and every DSA layer's top-k too."""
+    import torch
+
+    from verl_npu.engine import index_share
+    from verl_npu.parity.probes import topk_record
+
+    tokens = torch.from_numpy(evaluation_tokens(model)).to(device.torch_device)
+    batches = _micro_batches(tokens, model.micro_batches)
+    topk: dict[str, Any] = {}
+
+    def loss(logits, micro_tokens, index):
+        if probes is not None:
+            with probes.recording(index):
+                probes.logits(logits)
+        return logits.float().sum() * 0.0, token_log_probs(logits, micro_tokens)
+
+    for chunk in built.module:
+        chunk.eval()
+    with torch.no_grad():
+        if probes is None:
+            records = _forward_backward(built, batches, loss, forward_only=True)
+        else:
+            records = []
+            for index, micro in enumerate(batches):  # one forward per micro-batch, each inside its recording
+                with probes.recording(index), index_share.record_topk() as trace:
+                    records += _forward_backward(built, [micro], lambda lg, tk, _i, n=index: loss(lg, tk, n), True)
+                for layer_number, (kind, indices) in sorted(trace.items()):
+                    topk[f"mb{index}/layers.{layer_number - 1}"] = topk_record(kind, indices)
+    for chunk in built.module:
+        chunk.train()
+    result: dict[str, Any] = {"logprobs": [row for r in records for row in r.double().cpu().tolist()]}
+    if probes is not None:
+        result |= {"checksums": list(probes.records), "topk": topk, "indexer_qk": probes.indexer_qk}
+    return result
+
+
+def train(built: Built, model: ParityModel, device: Device, steps: int) -> dict[str, Any]:
+    """``steps`` policy-gradient steps; between two steps the offload manager moves everything to the host and back."""
+    import torch
+
+    from verl_npu.engine.offload import OffloadManager
+
+    manager = OffloadManager(built.module, built.optimizer, device=device.torch_device)
+    losses, grad_norms = [], []
+    for step in range(steps):
+        if step:
+            manager.offload(["params", "grads", "optimizer"])
+            manager.onload(["params", "grads", "optimizer"])
+        tokens = torch.from_numpy(training_tokens(model, step)).to(device.torch_device)
+        weights = torch.from_numpy(advantages(model, step)).to(device.torch_device)[:, 1:]
+        batches = _micro_batches(tokens, model.micro_batches)
+        weight_batches = _micro_batches(weights, model.micro_batches)
+
+        def loss(logits, micro_tokens, index, weights=weight_batches):
+            logp = token_log_probs(logits, micro_tokens)
+            value = -(logp * weights[index].to(logp.dtype)).mean()
+            return value, value.detach()
+
+        for chunk in built.module:
+            chunk.zero_grad_buffer()
+        built.optimizer.zero_grad()
+        step_losses = _forward_backward(built, batches, loss, forward_only=False)
+        grad_norm = _clip(built.module, CLIP_GRAD) if built.clip_here else None
+        ok, megatron_norm, _ = built.optimizer.step()
+        grad_norm = megatron_norm if grad_norm is None else grad_norm
+        if not ok:
+            raise RuntimeError(f"parity run: the optimizer skipped step {step} (a non-finite gradient)")
+        losses.append(float(torch.stack(step_losses).double().mean()))
+        grad_norms.append(float(grad_norm))
+    manager.close() if hasattr(manager, "close") else None
+    return {"losses": losses, "grad_norms": grad_norms}
+
+
+def _clip(module: list[Any], max_norm: float) -> float:
+    """Megatron's clip_grad_by_total_norm_fp32 in the gradients' own dtype: the global L2 norm, then a scale of
+    max_norm / (norm + 1e-6) when that is below 1; returns the norm (for the fp64 run, see Built.clip_here)."""
+    import torch
+
+    grads = [p.main_grad for chunk in module for p in chunk.parameters() if getattr(p, "main_grad", None) is not None]
+    norm = float(torch.sqrt(sum(g.double().pow(2).sum() for g in grads)))
+    coefficient = max_norm / (norm + 1.0e-6)
+    if coefficient < 1.0:
+        for g in grads:
+            g.mul_(coefficient)
+    return norm
+
+
+def run_model(model: ParityModel, device: Device, dtype: str, steps: int, path: str) -> dict[str, Any]:
+    """One model's numbers (module docstring), from a fresh build."""
+    import torch
+    from megatron.core import tensor_parallel
+
+    from verl_npu.parity.probes import Probes
+
+    torch.manual_seed(0)
+    tensor_parallel.model_parallel_cuda_manual_seed(0)
+    with tempfile.TemporaryDirectory(prefix=f"verl-npu-parity-{model.name}-") as directory:
+        checkpoint = write_checkpoint(model, directory)
+        built = build(model, checkpoint, device, dtype, path)
+    probes = Probes(built.gpt)
+    evaluation = evaluate(built, model, device, probes)
+    training = train(built, model, device, steps)
+    after = evaluate(built, model, device)
+    return {
+        "eval": evaluation,
+        "train": training,
+        "after_training": after,
+        "build": {"features": list(built.plan.features), "platform": built.plan.platform},
+    }
+
+
+def run(options: RunOptions) -> dict[str, Any]:
+    """Every requested model's numbers on this machine, as one JSON-ready run."""
+    import warnings
+
+    device = start_device()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        models = {
+            name: run_model(MODELS[name], device, options.dtype, options.steps, options.path) for name in options.models
+        }
+    nondeterministic = sorted({str(w.message).split(".")[0][:200] for w in caught if "deterministic" in str(w.message)})
+    return {
+        "format": FORMAT,
+        "kind": RUN_KIND,
+        "created": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        "device": device.name,
+        "platform": device.platform,
+        "dtype": options.dtype,
+        "path": options.path,
+        "steps": options.steps,
+        "versions": versions(),
+        "nondeterministic_ops": nondeterministic,  # torch's warnings under use_deterministic_algorithms(warn_only)
+        "models": models,
+    }
+
+
+def write(result: dict[str, Any], out: str | Path) -> None:
+    from verl_npu import atomic
+
+    atomic.write_text(out, json.dumps(result, indent=1, allow_nan=False) + "\n")

@@ -1,0 +1,152 @@
+"""What a parity run records inside the model: activation checksums at fixed points and each DSA layer's top-k.
+
+Points, in forward order (layer numbers from 0, as in the HF checkpoint): ``embedding``; per decoder layer
+``layers.N.indexer.k_norm``, ``layers.N.indexer.q`` and ``layers.N.indexer.k`` (a full DSA layer's indexer: its
+key norm, and query and key as the index scores see them, after RoPE and any Hadamard rotation),
+``layers.N.self_attention``, ``layers.N.mlp`` and ``layers.N`` (the layer's output); ``final_layernorm``;
+``logits``. Each is recorded as the mean and the root-mean-square of the tensor and the mean of its rows
+projected on a fixed vector (``proj``; the vector comes from the counter-based generator, one per row length), in
+float64. The projection sees what mean and RMS cannot: a rotation (a Hadamard transform preserves the RMS and,
+for isotropic rows, the mean), a permutation (a RoPE pair layout) or a sign flip of the features. These are tensors
+every build of the model has, whatever its layer spec fuses (TE and TE-NPU fold the input norms into the next
+linear, so a norm's own output is not a point; its effect shows in the module after it). The indexer's q and k
+exist only where the indexer runs in PyTorch: inside MindSpeed's fused lightning indexer they are never
+materialised, and such a run records ``indexer_qk: false``.
+
+Top-k: every DSA layer's selection (verl_npu.engine.index_share records the top-k each layer's sparse attention
+runs with, full and shared), stored per query row as sorted key indices.
+"""
+
+from __future__ import annotations
+
+import base64
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+
+# the query rows of a [b, s, k] top-k a run stores: at most this many, and at most TOPK_KEYS keys in all
+MAX_TOPK_ROWS = 256
+TOPK_KEYS = 16384
+
+
+def _tensor(output: Any) -> torch.Tensor | None:
+    if isinstance(output, torch.Tensor):
+        return output
+    if isinstance(output, (tuple, list)):
+        return next((o for o in output if isinstance(o, torch.Tensor)), None)
+    return None
+
+
+STATISTICS = ("mean", "rms", "proj")
+
+
+def _direction(size: int, device: torch.device) -> torch.Tensor:
+    from verl_npu.parity.models import uniform
+
+    return torch.from_numpy(uniform(f"probe/direction/{size}", size)).to(device)
+
+
+def checksum(t: torch.Tensor) -> dict[str, float]:
+    """``t``'s mean, root-mean-square and rows projected on the fixed vector of its row length, in float64."""
+    x = t.detach().to(torch.float64)
+    rows = x.reshape(-1, x.shape[-1]) if x.dim() else x.reshape(1, 1)
+    proj = (rows @ _direction(rows.shape[-1], rows.device)).mean()
+    return {"mean": float(x.mean()), "rms": float(x.pow(2).mean().sqrt()), "proj": float(proj)}
+
+
+def unwrap(chunk: Any) -> Any:
+    """The GPTModel inside DDP / Float16Module wrappers."""
+    while hasattr(chunk, "module"):
+        chunk = chunk.module
+    return chunk
+
+
+class Probes:
+    """Forward hooks on one GPTModel; they record only inside :meth:`recording`."""
+
+    def __init__(self, gpt: Any):
+        self.records: list[dict[str, Any]] = []
+        self.indexer_qk = False
+        self._seen: dict[str, int] = {}
+        self._prefix: str | None = None
+        self._handles = []
+        self._hook(gpt.embedding, "embedding")
+        for i, layer in enumerate(gpt.decoder.layers):
+            core = getattr(layer.self_attention, "core_attention", None)
+            indexer = getattr(core, "indexer", None)
+            if indexer is not None and hasattr(indexer, "k_norm"):  # a full DSA layer (a shared one has NoIndexer)
+                self._hook(indexer.k_norm, f"layers.{i}.indexer.k_norm")
+                self._wrap_indexer(indexer, i)
+            self._hook(layer.self_attention, f"layers.{i}.self_attention")
+            self._hook(layer.mlp, f"layers.{i}.mlp")
+            self._hook(layer, f"layers.{i}")
+        if getattr(gpt.decoder, "final_layernorm", None) is not None:
+            self._hook(gpt.decoder.final_layernorm, "final_layernorm")
+
+    def _record(self, point: str, tensor: torch.Tensor | None) -> None:
+        if self._prefix is None or tensor is None:
+            return
+        name = f"{self._prefix}/{point}"
+        count = self._seen[name] = self._seen.get(name, 0) + 1
+        # a module that runs twice in one forward (it should not) is recorded as name#2, never over the first
+        self.records.append({"point": name if count == 1 else f"{name}#{count}", **checksum(tensor)})
+
+    def _hook(self, module: torch.nn.Module, point: str) -> None:
+        self._handles.append(module.register_forward_hook(lambda _m, _a, out: self._record(point, _tensor(out))))
+
+    def _wrap_indexer(self, indexer: torch.nn.Module, layer: int) -> None:
+        original = indexer.forward_before_topk
+
+        def forward_before_topk(*args, **kwargs):
+            q, k, weights = original(*args, **kwargs)
+            self.indexer_qk = True
+            self._record(f"layers.{layer}.indexer.q", q)
+            self._record(f"layers.{layer}.indexer.k", k)
+            return q, k, weights
+
+        indexer.forward_before_topk = forward_before_topk
+
+    def logits(self, logits: torch.Tensor) -> None:
+        self._record("logits", logits)
+
+    @contextlib.contextmanager
+    def recording(self, micro_batch: int) -> Iterator[None]:
+        self._prefix = f"mb{micro_batch}"
+        try:
+            yield
+        finally:
+            self._prefix = None
+
+
+def topk_record(kind: str, indices: torch.Tensor) -> dict[str, Any]:
+    """One layer's selection for one micro-batch: sorted key indices per stored query row (-1 padding dropped),
+    packed as little-endian int32 and base64."""
+    b, s, k = indices.shape
+    # queries past the first k select among more keys than k: only there does the selection decide anything
+    rows = [(i, j) for i in range(b) for j in range(s) if j >= k] or [(i, j) for i in range(b) for j in range(s)]
+    budget = max(1, min(MAX_TOPK_ROWS, TOPK_KEYS // max(k, 1)))
+    if len(rows) > budget:
+        step = len(rows) / budget
+        rows = [rows[int(n * step)] for n in range(budget)]
+    cpu = indices.detach().to("cpu", torch.int64)
+    packed, lengths = [], []
+    for i, j in rows:
+        keys = sorted({int(x) for x in cpu[i, j].tolist() if 0 <= int(x) <= j})
+        packed += keys
+        lengths.append(len(keys))
+    data = torch.tensor(packed, dtype=torch.int32).numpy().astype("<i4").tobytes()
+    return {"kind": kind, "k": k, "rows": rows, "lengths": lengths, "keys": base64.b64encode(data).decode()}
+
+
+def topk_sets(record: dict[str, Any]) -> dict[tuple[int, int], frozenset[int]]:
+    """The stored rows of a :func:`topk_record` as (sequence, query) -> selected keys."""
+    import numpy as np
+
+    flat = np.frombuffer(base64.b64decode(record["keys"]), dtype="<i4")
+    out, start = {}, 0
+    for (i, j), n in zip(record["rows"], record["lengths"], strict=True):
+        out[(int(i), int(j))] = frozenset(int(x) for x in flat[start : start + n])
+        start += n
+    return out

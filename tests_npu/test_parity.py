@@ -59,7 +59,7 @@ def clean_bf16(workdir):
 
 def test_the_reference_is_an_nvidia_h200_run_with_derived_tolerances(reference):
     assert "H200" in reference["device"]
-    assert set(reference["runs"]) == {"bf16", "fp32"} and set(reference["tolerances"]) == {"bf16", "fp32"}
+    assert set(reference["runs"]) == {"bf16", "fp32", "fp64"} and set(reference["tolerances"]) == {"bf16", "fp32"}
     assert "2 x the largest measured spread" in reference["derivation"]
     for dtype in ("bf16", "fp32"):
         assert reference["runs"][dtype]["dtype"] == dtype and reference["runs"][dtype]["platform"] == "cuda"

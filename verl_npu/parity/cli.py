@@ -63,7 +63,8 @@ def cmd_compare(args: argparse.Namespace) -> int:
 
         raise InputError("--exact", True, "--against OTHER_RUN as well (exact compares two runs of one build)")
     against = cmp.load(args.against, RUN_KIND) if args.against else cmp.reference_run(ref, cmp.run_dtype(run))
-    result = cmp.compare(run, against, ref, mode, models=args.model)
+    precise = cmp.load(args.precise, RUN_KIND) if args.precise else None
+    result = cmp.compare(run, against, ref, mode, models=args.model, precise=precise)
     from rich.console import Console
 
     Console(width=max(Console().width, 140)).print(
@@ -113,6 +114,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--against", metavar="RUN", help="compare with this run instead of the reference's")
     p.add_argument("--exact", action="store_true", help="with --against: any difference fails (one build, one node)")
     p.add_argument("--model", action="append", help="judge only this model (repeatable; default: every model)")
+    p.add_argument("--precise", metavar="RUN", help="the same job in the next wider dtype on the run's platform "
+                   "(bf16: fp32, fp32: fp64): the run's own error is measured instead of assumed")  # fmt: skip
     p.add_argument("--json", metavar="FILE")
     p.add_argument("--plot", metavar="FILE", help="per-layer differences (png, svg, pdf)")
     p.set_defaults(func=cmd_compare)

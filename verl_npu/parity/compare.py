@@ -234,11 +234,9 @@ def spread(a: ModelValues, b: ModelValues) -> Spread:
 
 
 # --- tolerances -----------------------------------------------------------------------------------------------------
-def derive(primary: Mapping[str, Any], precise: Mapping[str, Any], repeat: Mapping[str, Any] | None) -> dict[str, Any]:
-    """Per model, the tolerances of ``primary``'s dtype (module docstring): from its spread against ``precise`` (the
-    same job in the next wider dtype) and against ``repeat`` (the same job again); with how each was derived."""
-    dtype = run_dtype(primary)
-    u = UNIT_ROUNDOFF[dtype]
+def errors(primary: Mapping[str, Any], precise: Mapping[str, Any], repeat: Mapping[str, Any] | None = None):
+    """Per model, ``primary``'s measured error: its spread against ``precise`` (the same job in the next wider
+    dtype, standing in for the exact values) and against ``repeat`` (the same job again), the larger of the two."""
     out: dict[str, Any] = {}
     for model in models_of(primary):
         ref = model_values(primary, model)
@@ -249,38 +247,106 @@ def derive(primary: Mapping[str, Any], precise: Mapping[str, Any], repeat: Mappi
         def worst(name: str, spreads: list[Spread] = spreads) -> float:
             return max(getattr(s, name) for s in spreads)
 
-        scale = max((abs(x) for x in _flat(ref.logprobs)), default=1.0)
-        after_scale = max((abs(x) for x in _flat(ref.after_logprobs)), default=1.0)
-        points = {}
-        for point, stats in ref.checksums.items():
-            measured = [s.checksums[point] for s in spreads if point in s.checksums]
-            floor = u * stats["rms"]  # the tensor's own rounding, done independently by each implementation
-            points[point] = {
-                stat: max(TRIANGLE * max((m[stat] for m in measured), default=0.0), floor) for stat in STATISTICS
-            }
-        topk = {}
-        for layer in ref.topk:
-            measured = min((s.topk_overlap.get(layer, 1.0) for s in spreads), default=1.0)
-            topk[layer] = max(0.0, 1.0 - TRIANGLE * (1.0 - measured))
         out[model] = {
-            "logprob_mean": max(TRIANGLE * worst("logprob_mean"), u * scale),
-            "logprob_max": max(TRIANGLE * worst("logprob_max"), u * scale),
-            "after_logprob_mean": max(TRIANGLE * worst("after_logprob_mean"), u * after_scale),
-            "after_logprob_max": max(TRIANGLE * worst("after_logprob_max"), u * after_scale),
-            "losses": [max(TRIANGLE * max(s.losses[i] for s in spreads), u * abs(x)) for i, x in enumerate(ref.losses)],
-            "grad_norms": [
-                max(TRIANGLE * max(s.grad_norms[i] for s in spreads), u) for i in range(len(ref.grad_norms))
-            ],
-            "checksums": points,
-            "topk_min_overlap": topk,
+            "logprob_mean": worst("logprob_mean"),
+            "logprob_max": worst("logprob_max"),
+            "after_logprob_mean": worst("after_logprob_mean"),
+            "after_logprob_max": worst("after_logprob_max"),
+            "losses": [max(s.losses[i] for s in spreads) for i in range(len(ref.losses))],
+            "grad_norms": [max(s.grad_norms[i] for s in spreads) for i in range(len(ref.grad_norms))],
+            "checksums": _depth_relative_spreads(ref, spreads),  # relative to each point's RMS
+            "topk_disagreement": {
+                layer: 1.0 - min((s.topk_overlap.get(layer, 1.0) for s in spreads), default=1.0) for layer in ref.topk
+            },
         }
     return out
+
+
+def tolerances(
+    run: Mapping[str, Any], reference_errors: Mapping[str, Any], candidate_errors: Mapping[str, Any] | None = None
+) -> dict[str, Any]:
+    """Per model, the tolerances for comparing a run with ``run`` (the reference's run of that dtype).
+
+    |X - R| <= |X - T| + |R - T|: the reference's measured error plus the candidate's (``candidate_errors``, measured
+    the same way on its own platform) when it is given, else the reference's twice (the candidate assumed no less
+    accurate); never below the rounding of the result itself (the unit roundoff of the dtype x its magnitude).
+    """
+    u = UNIT_ROUNDOFF[run_dtype(run)]
+    out: dict[str, Any] = {}
+    for model, ref_err in reference_errors.items():
+        if model not in models_of(run):
+            continue
+        cand = (candidate_errors or {}).get(model, ref_err)
+        values = model_values(run, model)
+        logprob_scale = max((abs(x) for x in _flat(values.logprobs)), default=1.0)
+        after_scale = max((abs(x) for x in _flat(values.after_logprobs)), default=1.0)
+
+        def both(key: str, floor: float, ref_err: Mapping[str, Any] = ref_err, cand: Mapping[str, Any] = cand) -> float:
+            return max(_finite(f"errors.{key}", ref_err[key]) + _finite(f"errors.{key}", cand[key]), floor)
+
+        steps = range(len(values.losses))
+        checksums = {}
+        for point, stats in values.checksums.items():
+            relative = _finite(f"errors.checksums.{point}", ref_err["checksums"].get(point, 0.0))
+            relative += _finite(f"errors.checksums.{point}", cand["checksums"].get(point, relative))
+            checksums[point] = dict.fromkeys(STATISTICS, max(relative * stats["rms"], u * stats["rms"]))
+        out[model] = {
+            "logprob_mean": both("logprob_mean", u * logprob_scale),
+            "logprob_max": both("logprob_max", u * logprob_scale),
+            "after_logprob_mean": both("after_logprob_mean", u * after_scale),
+            "after_logprob_max": both("after_logprob_max", u * after_scale),
+            "losses": [max(ref_err["losses"][i] + cand["losses"][i], u * abs(values.losses[i])) for i in steps],
+            "grad_norms": [max(ref_err["grad_norms"][i] + cand["grad_norms"][i], u) for i in steps],
+            "checksums": checksums,
+            "topk_min_overlap": {
+                layer: max(0.0, 1.0 - d - cand["topk_disagreement"].get(layer, d))
+                for layer, d in ref_err["topk_disagreement"].items()
+            },
+        }
+    return out
+
+
+def derive(primary: Mapping[str, Any], precise: Mapping[str, Any], repeat: Mapping[str, Any] | None) -> dict[str, Any]:
+    """The tolerances of ``primary``'s dtype with the candidate assumed no less accurate (twice the reference's
+    measured error, module docstring)."""
+    return tolerances(primary, errors(primary, precise, repeat))
+
+
+def depth(point: str) -> tuple[int, int]:
+    """Where a checksum point sits in the forward pass: (-1, 0) the embedding, (N, 0) layer N, (10**6, 0) after
+    the last layer (final norm, logits); the micro-batch does not count (each is a forward of its own)."""
+    name = point.partition("/")[2].partition("#")[0]
+    if name.startswith("layers."):
+        return int(name.split(".")[1]), 0
+    return (-1, 0) if name == "embedding" else (10**6, 0)
+
+
+def _depth_relative_spreads(ref: ModelValues, spreads: Sequence[Spread]) -> dict[str, float]:
+    """Per point, the largest relative spread (|d| / the point's RMS) measured at its depth or shallower.
+
+    One measured difference at one point is one sample of a rounding error; another implementation's can be larger
+    there while the reference's happened to be small. Rounding errors grow with depth, so the error a legitimate
+    implementation may make at a depth is bounded by the largest the reference made at that depth or before it.
+    """
+    at_depth: dict[tuple[int, int], float] = {}
+    for point, stats in ref.checksums.items():
+        scale = stats["rms"] or 1.0
+        worst = max((max(s.checksums[point].values()) for s in spreads if point in s.checksums), default=0.0)
+        key = depth(point)
+        at_depth[key] = max(at_depth.get(key, 0.0), worst / scale)
+    running, cumulative = 0.0, {}
+    for key in sorted(at_depth):
+        running = max(running, at_depth[key])
+        cumulative[key] = running
+    return {point: cumulative[depth(point)] for point in ref.checksums}
 
 
 DERIVATION = (
     "tolerance = max(2 x the largest measured spread, the unit roundoff of the dtype x the value's magnitude); "
     "spread of a bf16 value: against the same job in fp32 and against a second bf16 run; of an fp32 value: "
-    "against fp64 and a second fp32 run; all on the reference device. A top-k's minimum overlap = "
+    "against fp64 and a second fp32 run; all on the reference device. For an activation checksum the spread is "
+    "relative to the tensor's RMS and the largest at its layer or any layer before it (rounding errors grow with "
+    "depth; one point's measured error is one sample). A top-k's minimum overlap = "
     "1 - 2 x (1 - its measured overlap). Why 2: |X - R| <= |X - T| + |R - T| for any implementation X no less "
     "accurate than the reference R (T: the exact value). Why the roundoff term: two implementations round the "
     "result itself independently (for a checksum, by up to one unit roundoff of its RMS)."
@@ -303,10 +369,11 @@ def reference(runs: Mapping[str, Mapping[str, Any]], repeats: Mapping[str, Mappi
     devices = {r.get("device") for r in [*runs.values(), *repeats.values()]}
     if len(devices) != 1:
         raise ParityCompareError(f"the runs come from different devices ({', '.join(map(str, devices))})")
-    tolerances, spreads = {}, {}
+    measured, limits, spreads = {}, {}, {}
     for dtype in ("bf16", "fp32"):
         precise = PRECISE[dtype]
-        tolerances[dtype] = derive(runs[dtype], runs[precise], repeats[dtype])
+        measured[dtype] = errors(runs[dtype], runs[precise], repeats[dtype])
+        limits[dtype] = tolerances(runs[dtype], measured[dtype])
         spreads[dtype] = {}
         for model in models_of(runs[dtype]):
             ref = model_values(runs[dtype], model)
@@ -321,8 +388,9 @@ def reference(runs: Mapping[str, Mapping[str, Any]], repeats: Mapping[str, Mappi
         "device": next(iter(devices)),
         "versions": runs["bf16"].get("versions"),
         "derivation": DERIVATION,
-        "runs": {dtype: strip(runs[dtype]) for dtype in ("bf16", "fp32")},
-        "tolerances": tolerances,
+        "runs": {dtype: strip(runs[dtype]) for dtype in ("bf16", "fp32", "fp64")},  # fp64: for --precise fp64
+        "errors": measured,  # the reference's measured error per dtype and model (compare adds a candidate's)
+        "tolerances": limits,  # with the candidate assumed no less accurate: twice the reference's error
         "measured_spreads": spreads,
     }
 
@@ -360,16 +428,6 @@ class Comparison:
         }
 
 
-def _tolerances(ref: Mapping[str, Any], dtype: str, model: str) -> Mapping[str, Any]:
-    table = _mapping("reference: tolerances", ref.get("tolerances"))
-    if dtype not in table:
-        raise ParityCompareError(f"{ref.get('_path')}: no tolerances for dtype {dtype} (it has {', '.join(table)})")
-    models = _mapping(f"reference: tolerances.{dtype}", table[dtype])
-    if model not in models:
-        raise ParityCompareError(f"{ref.get('_path')}: no tolerances for model {model}")
-    return _mapping(f"reference: tolerances.{dtype}.{model}", models[model])
-
-
 def _judge(name: str, value: float, tolerance: Any, detail: str, *, at_least: bool = False) -> Check:
     limit = _finite(f"tolerance of {name}", tolerance)
     bad = not math.isfinite(value) or (value < limit if at_least else value > limit)
@@ -383,41 +441,106 @@ def compare(
     ref: Mapping[str, Any],
     mode: str = "reference",
     models: Sequence[str] | None = None,
+    precise: Mapping[str, Any] | None = None,
 ) -> Comparison:
-    """Judge ``run`` against ``against`` (the reference's run of the same dtype, or another run) with ``ref``'s
-    tolerances; ``exact``: every value must be equal. ``models``: the models to judge (default: every model of
-    ``against``; one the run lacks fails)."""
+    """Judge ``run`` against ``against`` (the reference's run of the same dtype, or another run) with tolerances from
+    ``ref``'s measured errors; ``exact``: every value must be equal. ``models``: the models to judge (default: every
+    model of ``against``; one the run lacks fails). ``precise``: the same job as ``run`` in the next wider dtype on
+    the run's own platform: then the run's own error is measured and counted, instead of assumed (module docstring)."""
     if mode not in MODES:
         raise ParityCompareError(f"mode {mode!r}: choose one of {', '.join(MODES)}")
     dtype = run_dtype(run)
     if run_dtype(against) != dtype:
         raise ParityCompareError(f"{run.get('_path')} is {dtype}, {against.get('_path')} is {run_dtype(against)}: "
                                  "compare runs of one dtype")  # fmt: skip
-    checks: list[Check] = []
-    layers: dict[str, list[tuple[str, float]]] = {}
-    faults: dict[str, str | None] = {}
     expected = list(models) if models else models_of(against)
     unknown = [m for m in expected if m not in models_of(against)]
     if unknown:
-        raise ParityCompareError(
-            f"--model {', '.join(unknown)}: {against.get('_path')} has {', '.join(models_of(against))}"
-        )
+        raise ParityCompareError(f"--model {', '.join(unknown)}: {against.get('_path')} has "
+                                 f"{', '.join(models_of(against))}")  # fmt: skip
+    limits = _limits(run, against, ref, precise, expected) if mode != "exact" else {}
+    checks: list[Check] = []
+    layers: dict[str, list[tuple[str, float]]] = {}
+    faults: dict[str, str | None] = {}
     for model in models_of(run):
         if model not in expected:
-            checks.append(Check(f"{model}.model", WARN, "not in the run it is compared with: not compared"))
+            checks.append(Check(f"{model}.model", WARN, "not judged (not among the models compared)"))
     for model in expected:
         if model not in models_of(run):
             checks.append(Check(f"{model}.model", FAIL, f"the run has no {model} results"))
             continue
-        tol = _tolerances(ref, dtype, model) if mode != "exact" else None
         try:
             s = spread(model_values(run, model), model_values(against, model))
         except ValueError as exc:
             checks.append(Check(f"{model}.shape", FAIL, f"not comparable: {exc}"))
             continue
+        tol = limits.get(model) if mode != "exact" else None
         model_checks, layers[model], faults[model] = _model_checks(model, s, tol, model_values(run, model))
         checks += model_checks
     return Comparison(checks, layers, faults)
+
+
+def _limits(run, against, ref, precise, models) -> dict[str, Any]:
+    """The tolerances per model: the reference's measured error plus the run's (measured with ``precise``, else
+    assumed equal to the reference's)."""
+    dtype = run_dtype(run)
+    table = _mapping(f"{ref.get('_path')}: errors", ref.get("errors"))
+    if dtype not in table:
+        raise ParityCompareError(
+            f"{ref.get('_path')}: no measured errors for dtype {dtype} (it has {', '.join(table)})"
+        )
+    reference_errors = {
+        m: _mapping(f"errors.{dtype}.{m}", e) for m, e in _mapping(f"errors.{dtype}", table[dtype]).items()
+    }
+    missing = [m for m in models if m not in reference_errors]
+    if missing:
+        raise ParityCompareError(f"{ref.get('_path')}: no measured errors for model {', '.join(missing)}")
+    candidate = None
+    if precise is not None:
+        if run_dtype(precise) != PRECISE.get(dtype):
+            raise ParityCompareError(f"--precise {precise.get('_path')}: a {run_dtype(precise)} run; a {dtype} run's "
+                                     f"error is measured against {PRECISE.get(dtype, 'nothing wider')}")  # fmt: skip
+        if precise.get("device") != run.get("device"):
+            where = f"{precise.get('device')}, the run on {run.get('device')}"
+            raise ParityCompareError(f"--precise {precise.get('_path')} ran on {where}: the run's error is measured "
+                                     "on its own platform")  # fmt: skip
+        candidate = errors(_only(run, models), _only(precise, models))
+        # the two platforms' wider-dtype runs stand for the exact values: measure how far apart those are too
+        wider = _mapping(f"{ref.get('_path')}: runs", ref.get("runs")).get(run_dtype(precise))
+        if wider is None:
+            raise ParityCompareError(f"{ref.get('_path')}: no {run_dtype(precise)} run to measure --precise against")
+        wider = {
+            **_mapping(f"runs.{run_dtype(precise)}", wider),
+            "_path": f"{ref.get('_path')}#runs.{run_dtype(precise)}",
+        }
+        apart = errors(_only(precise, models), _only(wider, models))
+        candidate = {m: _add_errors(candidate[m], apart[m]) for m in models}
+    try:
+        return tolerances(against, {m: reference_errors[m] for m in models}, candidate)
+    except (KeyError, IndexError, TypeError) as exc:
+        raise ParityCompareError(f"{ref.get('_path')}: malformed errors ({type(exc).__name__}: {exc})") from None
+
+
+def _add_errors(a: Mapping[str, Any], b: Mapping[str, Any]) -> dict[str, Any]:
+    """Two error profiles added term by term: |X - R| <= |X - T'| + |T' - T| + |T - R|."""
+    out: dict[str, Any] = {}
+    for key, value in a.items():
+        other = b[key]
+        if isinstance(value, list):
+            out[key] = [x + y for x, y in zip(value, other, strict=True)]
+        elif isinstance(value, Mapping):
+            out[key] = {k: v + other.get(k, 0.0) for k, v in value.items()}
+        else:
+            out[key] = value + other
+    return out
+
+
+def _only(run: Mapping[str, Any], models: Sequence[str]) -> dict[str, Any]:
+    present = _mapping(f"{run.get('_path')}: models", run.get("models"))
+    missing = [m for m in models if m not in present]
+    if missing:
+        raise ParityCompareError(f"{run.get('_path')}: has no {', '.join(missing)} results")
+    return {**run, "models": {m: present[m] for m in models}}
 
 
 def _model_checks(model: str, s: Spread, tol: Mapping[str, Any] | None, values: ModelValues):

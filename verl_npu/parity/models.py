@@ -6,7 +6,8 @@ Each model's config is its real one with the sizes shrunk and every other field 
   its fp32 dtype and score-correction bias, interleaved RoPE, RMSNorm eps, rules for dense/sparse and full/shared
   layers), 8 layers: full DSA layers 0, 1, 2, 6 and shared 3, 4, 5, 7 by GLM-5.2's rule; three dense layers first
   as ``first_k_dense_replace`` says. Its top-k (8) is below the sequence (48), so what each layer selects decides
-  the output.
+  the output; 8 indexer heads, so that the ReLU'd index scores are almost never tied at 0 (with 2, a query whose
+  head weights are both negative ranks tied zeros first, and CPU and CUDA break such ties differently).
 - ``glm5_2_fused_shape``: the same with the dimensions Ascend's fused DSA operators take (latent 512 + 64 rope,
   32 query and 32 indexer heads of dim 128, top-k 1024, 2048-token sequences): the one MindSpeed's fused path can
   run (verl_npu/contracts/torch_npu.py holds those shape rules).
@@ -86,7 +87,7 @@ MODELS: dict[str, ParityModel] = {
         _glm5_2(
             vocab_size=256, hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_attention_heads=4,
             num_key_value_heads=4, n_routed_experts=4, num_experts_per_tok=2, q_lora_rank=32, kv_lora_rank=32,
-            qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16, index_n_heads=2, index_head_dim=16,
+            qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16, index_n_heads=8, index_head_dim=16,
             index_topk=8, max_position_embeddings=256,
         ),
         seq_len=48, batch=4, micro_batches=2,

@@ -122,7 +122,7 @@ class Probes:
 
 def topk_record(kind: str, indices: torch.Tensor) -> dict[str, Any]:
     """One layer's selection for one micro-batch: sorted key indices per stored query row (-1 padding dropped),
-    packed as little-endian int32 and base64."""
+    packed as little-endian uint16 (int32 from 64k keys on) and base64."""
     b, s, k = indices.shape
     # queries past the first k select among more keys than k: only there does the selection decide anything
     rows = [(i, j) for i in range(b) for j in range(s) if j >= k] or [(i, j) for i in range(b) for j in range(s)]
@@ -136,15 +136,28 @@ def topk_record(kind: str, indices: torch.Tensor) -> dict[str, Any]:
         keys = sorted({int(x) for x in cpu[i, j].tolist() if 0 <= int(x) <= j})
         packed += keys
         lengths.append(len(keys))
-    data = torch.tensor(packed, dtype=torch.int32).numpy().astype("<i4").tobytes()
-    return {"kind": kind, "k": k, "rows": rows, "lengths": lengths, "keys": base64.b64encode(data).decode()}
+    width = "<u2" if max(packed, default=0) < 1 << 16 else "<i4"  # key indices of sequences up to 64k fit in 16 bits
+    data = torch.tensor(packed, dtype=torch.int64).numpy().astype(width).tobytes()
+    return {
+        "kind": kind,
+        "k": k,
+        "rows": rows,
+        "lengths": lengths,
+        "width": width,
+        "keys": base64.b64encode(data).decode(),
+    }
 
 
 def topk_sets(record: dict[str, Any]) -> dict[tuple[int, int], frozenset[int]]:
     """The stored rows of a :func:`topk_record` as (sequence, query) -> selected keys."""
     import numpy as np
 
-    flat = np.frombuffer(base64.b64decode(record["keys"]), dtype="<i4")
+    width = record.get("width")
+    if width not in ("<u2", "<i4"):
+        raise ValueError(f"width={width!r}: expected '<u2' or '<i4'")
+    flat = np.frombuffer(base64.b64decode(record["keys"], validate=True), dtype=width)
+    if len(flat) != sum(record["lengths"]):
+        raise ValueError(f"{len(flat)} keys for rows of {sum(record['lengths'])}")
     out, start = {}, 0
     for (i, j), n in zip(record["rows"], record["lengths"], strict=True):
         out[(int(i), int(j))] = frozenset(int(x) for x in flat[start : start + n])

@@ -53,6 +53,11 @@ def clean_fp32(workdir):
 
 
 @pytest.fixture(scope="module")
+def clean_fp64(workdir):
+    return run_job(workdir / "clean_fp64.json", "fp64")
+
+
+@pytest.fixture(scope="module")
 def clean_bf16(workdir):
     return run_job(workdir / "clean_bf16.json", "bf16", models=("glm5_2",))
 
@@ -68,11 +73,23 @@ def test_the_reference_is_an_nvidia_h200_run_with_derived_tolerances(reference):
             assert set(spreads) == {cmp.PRECISE[dtype], "repeat"}, model
 
 
-def test_a_cpu_run_passes_the_reference_in_fp32(clean_fp32, reference):
-    result = cmp.compare(clean_fp32, cmp.reference_run(reference, "fp32"), reference, models=CPU_MODELS)
+def test_a_cpu_run_passes_the_reference_in_fp32(clean_fp32, clean_fp64, reference):
+    """With the CPU's own fp32 error measured (its fp64 run), |CPU - H200| <= CPU's error + H200's error + the
+    distance between the two fp64 runs: the bound is the triangle inequality, every term measured."""
+    result = cmp.compare(
+        clean_fp32, cmp.reference_run(reference, "fp32"), reference, models=CPU_MODELS, precise=clean_fp64
+    )
     failures = [c for c in result.checks if c.status == "fail"]
     assert not failures, failures[:10]
     assert result.first_fault == {"glm5_2": None, "dense": None}
+
+
+def test_precise_must_be_the_wider_dtype_from_the_same_platform(clean_fp32, clean_bf16, reference):
+    with pytest.raises(cmp.ParityCompareError, match="measured against fp64"):
+        cmp.compare(clean_fp32, cmp.reference_run(reference, "fp32"), reference, models=("glm5_2",), precise=clean_bf16)
+    elsewhere = {**cmp.reference_run(reference, "fp64"), "_path": "h200-fp64"}
+    with pytest.raises(cmp.ParityCompareError, match="measured on its own platform"):
+        cmp.compare(clean_fp32, cmp.reference_run(reference, "fp32"), reference, models=("glm5_2",), precise=elsewhere)
 
 
 def test_the_same_build_twice_is_bitwise_equal_on_the_cpu(clean_fp32, workdir, reference):
@@ -106,12 +123,22 @@ def test_an_injected_mismatch_fails_and_names_its_layer(injection, workdir, refe
     assert all(ratio <= 1.0 for point, ratio in result.layer_differences["glm5_2"] if point in before)
 
 
-def test_the_cli_compares_writes_json_and_a_plot_and_exits_by_verdict(clean_fp32, workdir, tmp_path):
+def test_the_cli_compares_writes_json_and_a_plot_and_exits_by_verdict(clean_fp32, clean_fp64, workdir, tmp_path):
     from verl_npu.cli import main
 
     run = workdir / "clean_fp32.json"
     report, picture = tmp_path / "report.json", tmp_path / "layers.png"
-    argv = ["parity", "compare", str(run), "--model", "glm5_2", "--model", "dense"]
+    argv = [
+        "parity",
+        "compare",
+        str(run),
+        "--model",
+        "glm5_2",
+        "--model",
+        "dense",
+        "--precise",
+        str(workdir / "clean_fp64.json"),
+    ]
     assert main([*argv, "--json", str(report), "--plot", str(picture)]) == 0
     data = json.loads(report.read_text())
     assert data["verdict"] == "ok" and data["mode"] == "reference" and picture.stat().st_size > 1000

@@ -469,9 +469,10 @@ def compare(
         if model not in models_of(run):
             checks.append(Check(f"{model}.model", FAIL, f"the run has no {model} results"))
             continue
+        values, other = model_values(run, model), model_values(against, model)  # malformed: ParityCompareError
         try:
-            s = spread(model_values(run, model), model_values(against, model))
-        except ValueError as exc:
+            s = spread(values, other)
+        except ValueError as exc:  # shapes that differ: a FAIL, not a bad input
             checks.append(Check(f"{model}.shape", FAIL, f"not comparable: {exc}"))
             continue
         tol = limits.get(model) if mode != "exact" else None

@@ -142,7 +142,7 @@ def versions() -> dict[str, str]:
     for dist in ("torch", "torch-npu", "megatron-core", "mbridge", "transformers", "triton", "verl", "verl-npu"):
         with contextlib.suppress(importlib.metadata.PackageNotFoundError):
             out[dist] = importlib.metadata.version(dist)
-    out["verl-npu commit"] = _commit()
+    out["verl-npu commit"] = _commit()[:12]  # provenance, as image tags carry it (a full hash reads as a pin)
     return out
 
 
@@ -176,6 +176,8 @@ def engine_config(model: ParityModel, device: Device, path: str, dtype: str = "b
         "variable_seq_lengths": False, "recompute_granularity": "full", "recompute_method": "uniform",
         "recompute_num_layers": 1, "use_cpu_initialization": device.platform == "cpu",
     }  # fmt: skip
+    if path == "portable":
+        otc["use_flash_attn"] = False  # MindSpeed's flash attention (npu_fusion_attention) off; dropped elsewhere
     fused = path == "fused" or (path == "default" and device.platform == "ascend" and model.fused_dsa)
     if fused:
         if device.platform != "ascend":
@@ -422,6 +424,8 @@ def run(options: RunOptions) -> dict[str, Any]:
     """Every requested model's numbers on this machine, as one JSON-ready run."""
     import warnings
 
+    if options.path == "portable":
+        os.environ["VERL_NPU_OPS_BACKEND"] = "portable"  # verl-npu's PyTorch operators only (verl_npu.ops.dispatch)
     device = start_device()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")

@@ -1,0 +1,60 @@
+"""Platform parity on an Ascend NPU (issue 19, npu tier): the parity job with the default operators (MindSpeed's
+fused DSA operators for the model whose shapes they take, torch_npu's fused kernels) and with verl-npu's portable
+ones, each compared with the CUDA reference recorded on nvidia-h200 and with the other. The nightly runs the same
+through ci/nightly/parity.sh on both chips."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from verl_npu.parity import compare as cmp
+from verl_npu.parity.cli import DEFAULT_REFERENCE
+from verl_npu.parity.job import RUN_KIND
+
+pytestmark = pytest.mark.npu
+MODELS = ("glm5_2", "dense", "glm5_2_fused_shape")
+
+
+def parity_run(out: Path, path: str, dtype: str) -> dict:
+    argv = [sys.executable, "-m", "verl_npu.cli", "parity", "run", "--path", path, "--dtype", dtype, "--out", str(out)]
+    for model in MODELS:
+        argv += ["--model", model]
+    done = subprocess.run(argv, capture_output=True, text=True, env=dict(os.environ), timeout=3600, check=False)
+    assert done.returncode == 0, done.stderr[-4000:]
+    return cmp.load(out, RUN_KIND)
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    work = tmp_path_factory.mktemp("parity_npu")
+    return {(p, d): parity_run(work / f"{p}-{d}.json", p, d) for p in ("default", "portable") for d in ("fp32", "bf16")}
+
+
+@pytest.fixture(scope="module")
+def reference():
+    return cmp.load(DEFAULT_REFERENCE, cmp.REFERENCE_KIND)
+
+
+def _failures(result: cmp.Comparison) -> list[tuple[str, str]]:
+    return [(c.check, c.detail) for c in result.checks if c.status == "fail"]
+
+
+@pytest.mark.parametrize("path", ["default", "portable"])
+def test_each_run_matches_the_cuda_reference(runs, reference, path):
+    bf16 = cmp.compare(runs[(path, "bf16")], cmp.reference_run(reference, "bf16"), reference,
+                       precise=runs[(path, "fp32")])  # fmt: skip
+    assert not bf16.failed, (bf16.first_fault, _failures(bf16)[:10])
+    fp32 = cmp.compare(runs[(path, "fp32")], cmp.reference_run(reference, "fp32"), reference)
+    assert not fp32.failed, (fp32.first_fault, _failures(fp32)[:10])
+
+
+@pytest.mark.parametrize("dtype", ["bf16", "fp32"])
+def test_the_fused_operators_match_the_portable_ones(runs, reference, dtype):
+    result = cmp.compare(runs[("default", dtype)], runs[("portable", dtype)], reference, "pair")
+    assert not result.failed, (result.first_fault, _failures(result)[:10])
+    assert "dsa_fused_operators" in runs[("default", dtype)]["models"]["glm5_2_fused_shape"]["build"]["features"]

@@ -22,8 +22,9 @@ from verl_npu.parity.models import MODELS, REPO_ROOT
 DEFAULT_REFERENCE = REPO_ROOT / "ci" / "baselines" / "parity" / "reference.json"
 
 
-def _output(option: str, value: str | None) -> Path | None:
-    """An output file, checked before any work (its directory exists and is writable)."""
+def _output(option: str, value: str | None, formats: tuple[str, ...] = ()) -> Path | None:
+    """An output file, checked before any work: its directory exists and is writable, and (``formats``) its
+    suffix names one of them."""
     if value is None:
         return None
     from verl_npu.atomic import writable_directory
@@ -32,6 +33,10 @@ def _output(option: str, value: str | None) -> Path | None:
     why = writable_directory(value)
     if why is not None:
         raise InputError(option, value, f"a file in an existing, writable directory ({why})")
+    if formats and Path(value).suffix.lower().lstrip(".") not in formats:
+        raise InputError(option, value, f"a file name ending in one of .{', .'.join(formats)}")
+    if Path(value).is_dir():
+        raise InputError(option, value, "a file name (it is a directory)")
     return Path(value)
 
 
@@ -54,7 +59,7 @@ def cmd_compare(args: argparse.Namespace) -> int:
     from verl_npu.parity import compare as cmp
     from verl_npu.parity.job import RUN_KIND
 
-    json_path, plot_path = _output("--json", args.json), _output("--plot", args.plot)
+    json_path, plot_path = _output("--json", args.json), _output("--plot", args.plot, cmp.PLOT_FORMATS)
     run = cmp.load(args.run, RUN_KIND)
     ref = cmp.load(args.reference, cmp.REFERENCE_KIND)
     mode = "exact" if args.exact else "pair" if args.against else "reference"
@@ -70,11 +75,11 @@ def cmd_compare(args: argparse.Namespace) -> int:
     Console(width=max(Console().width, 140)).print(
         table(result.checks, cmp.as_table_title(run, against, mode), escape=True)
     )
+    if plot_path is not None:  # first: the JSON (which says ok or fail) is never left without its plot
+        cmp.plot(result, plot_path, cmp.as_table_title(run, against, mode))
     if json_path is not None:
         report = {"run": args.run, "against": against.get("_path"), "mode": mode, **result.to_dict()}
         atomic.write_text(json_path, json.dumps(report, indent=2, allow_nan=False, default=str) + "\n")
-    if plot_path is not None:
-        cmp.plot(result, plot_path, cmp.as_table_title(run, against, mode))
     faults = {m: p for m, p in result.first_fault.items() if p}
     verdict = "FAIL" if result.failed else "OK"
     where = "; ".join(f"{m}: first fault at {p}" for m, p in faults.items())

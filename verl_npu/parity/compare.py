@@ -1,28 +1,33 @@
 """``verl-npu parity compare`` and ``parity reference``: a run against the CUDA reference, or two runs against
-each other, with tolerances measured on the reference device.
+each other, with tolerances from errors measured on the reference device.
 
 What is compared, per model: per-token log-probs of the evaluation batch (mean and max of the absolute
 differences) and after training; each training step's loss and gradient norm; each DSA layer's top-k (the
-overlap of the selected key sets, per stored query row); and the activation checksums in forward order
-(verl_npu.parity.probes), where the first point out of tolerance localises the fault. Anything missing, malformed
-or not finite fails: a comparison never passes on what it could not compare. The one exception is said as a
-warning: a run whose indexer ran inside a fused kernel has no indexer q/k checksums (``indexer_qk: false``).
+overlap of the selected key sets, per stored query row); and the activation checksums (verl_npu.parity.probes).
+The first checksum point out of tolerance, by depth in the forward pass, localises the fault. Anything missing,
+malformed, empty or not finite fails: a comparison never passes on what it could not compare. One exception is
+said as a warning: an Ascend run whose indexer ran inside MindSpeed's fused kernel has no indexer q/k checksums.
 
-How the tolerances are derived (:func:`derive`; ``verl-npu parity reference``). A legitimate implementation X
-(another platform, another kernel) and the reference R both approximate the exact result T; their difference
-is at most the sum of their errors, |X - R| <= |X - T| + |R - T|. With X no less accurate than R, that is at most
-twice R's own error. R's error is measured on the reference device against the same job in a precision with a
-smaller unit roundoff: bf16 against fp32, fp32 against fp64. Run-to-run (the same job again, another process) is
-measured too and the larger of the two spreads counts. So, per compared value:
+The tolerances (:func:`errors`, :func:`tolerances`; ``verl-npu parity reference`` records them). A legitimate
+implementation X (another platform, another kernel) and the reference R both approximate the exact result T, so
+|X - R| <= |X - T| + |R - T|. R's error |R - T| is measured on the reference device against the same job one
+precision wider (bf16 against fp32, fp32 against fp64), and against a second run of the same job; the larger
+counts. For an activation checksum the error is relative to the tensor's RMS and is the largest measured at its
+depth or shallower (rounding errors grow with depth; one point's measured error is one sample of it).
 
-- tolerance = max(2 x spread, the unit roundoff of the run's dtype x the value's own magnitude): the second term
-  is the rounding of the result itself, which two implementations do independently (for a checksum, its RMS);
-- a top-k's minimum overlap = 1 - 2 x (1 - the measured overlap), by the same bound on the keys that differ.
+- Default: X assumed no less accurate than R, so tolerance = 2 x R's error. It sees any fault, also one that
+  exists only in X's dtype, but a platform less accurate than the reference fails it too.
+- ``--precise`` (X's own wider run, on X's platform): tolerance = R's error + X's error (against its wider run)
+  + the distance between the two wider runs, each measured. A less accurate platform passes; and the two wider
+  runs must agree within R's error (they are far more precise than the run's dtype: a fault that every dtype has,
+  a wrong eps or a wrong top-k, shows there and is named). A fault that only X's own dtype has is, by this
+  measurement, X's error: the default mode is the one that sees it.
+- Every tolerance is at least the rounding of the result itself (the unit roundoff of the dtype x its magnitude),
+  which two implementations do independently. A top-k's minimum overlap is 1 - (R's + X's key disagreement).
 
-Modes: ``reference`` (a run against the reference's run of its dtype, with the reference's tolerances for that
-dtype); ``pair`` (two runs against each other, with the same tolerances; on Ascend the fused and the portable run,
-so a failure points at an operator); ``exact`` (two runs of one build on one machine: any difference fails, as
-deterministic mode makes them bitwise equal).
+Modes: ``reference`` (a run against the reference's run of its dtype), ``pair`` (two runs against each other with
+the same tolerances; on Ascend the fused and the portable run, so a failure points at an operator) and ``exact``
+(two runs of one build on one machine: any difference fails, deterministic mode makes them bitwise equal).
 """
 
 from __future__ import annotations
@@ -30,6 +35,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import re
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -42,20 +48,26 @@ from verl_npu.parity.probes import STATISTICS
 
 REFERENCE_KIND = "verl-npu parity reference"
 MAX_FILE_BYTES = 256 * MIB
-TRIANGLE = 2.0  # |X - R| <= |X - T| + |R - T| <= 2 |R - T| (module docstring)
+TRIANGLE = 2.0  # default mode: |X - R| <= |X - T| + |R - T| <= 2 |R - T| (module docstring)
 UNIT_ROUNDOFF = {"bf16": 2.0**-8, "fp32": 2.0**-24, "fp64": 2.0**-53}
 PRECISE = {"bf16": "fp32", "fp32": "fp64"}  # the precision each dtype's error is measured against
 MODES = ("reference", "pair", "exact")
+POINT = re.compile(r"mb(\d+)/(embedding|final_layernorm|logits|layers\.(\d+)(\.[a-z_]+)*)(#\d+)?")
+FUSED_INDEXER_POINTS = (".indexer.q", ".indexer.k")
 
 
 class ParityCompareError(UserError):
-    """A run or reference file that cannot be compared: unreadable, malformed, or of another kind."""
+    """A run or reference file that cannot be compared: unreadable, malformed, empty, or of another kind."""
 
 
 # --- reading what comes from outside -------------------------------------------------------------------------------
 def _finite(where: str, value: Any) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-        raise ParityCompareError(f"{where}={value!r}: expected a finite number")
+    try:
+        good = not isinstance(value, bool) and isinstance(value, (int, float)) and math.isfinite(value)
+    except OverflowError:  # an integer beyond any float
+        good = False
+    if not good:
+        raise ParityCompareError(f"{where}={str(value)[:40]!r}: expected a finite number")
     return float(value)
 
 
@@ -71,6 +83,12 @@ def _list(where: str, value: Any) -> list[Any]:
     return value
 
 
+def _index(where: str, value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ParityCompareError(f"{where}={value!r}: expected a non-negative integer")
+    return value
+
+
 def load(path: str | Path, kind: str) -> dict[str, Any]:
     """A parity run or reference file (``kind``), read bounded and checked for its kind and format."""
     path = Path(path)
@@ -83,7 +101,7 @@ def load(path: str | Path, kind: str) -> dict[str, Any]:
     data = dict(_mapping(str(path), data))
     if data.get("kind") != kind:
         raise ParityCompareError(f"{path}: kind={data.get('kind')!r}: expected {kind!r}")
-    if data.get("format") != FORMAT:
+    if type(data.get("format")) is not int or data["format"] != FORMAT:
         raise ParityCompareError(f"{path}: format={data.get('format')!r}: this verl-npu reads format {FORMAT}")
     data["_path"] = str(path)
     return data
@@ -96,17 +114,33 @@ def run_dtype(run: Mapping[str, Any]) -> str:
     return dtype
 
 
+def depth(point: str) -> tuple[int, int]:
+    """(depth in the forward pass, micro-batch) of a checksum point: -1 the embedding, N layer N, 10**6 after the
+    last layer (final norm, logits); a point of each micro-batch is as deep as the same point of another."""
+    m = POINT.fullmatch(point)
+    if m is None:
+        raise ParityCompareError(f"checksum point {point!r}: expected mbN/embedding, mbN/layers.N[.module], ...")
+    name, layer = m[2], m[3]
+    position = int(layer) if layer is not None else -1 if name == "embedding" else 10**6
+    return position, int(m[1])
+
+
 # --- the values of a run ------------------------------------------------------------------------------------------
 def _logprobs(where: str, value: Any) -> list[list[float]]:
     rows = _list(where, value)
-    return [
-        [_finite(f"{where}[{i}][{j}]", x) for j, x in enumerate(_list(f"{where}[{i}]", row))]
-        for i, row in enumerate(rows)
+    out = [
+        [_finite(f"{where}[{i}][{j}]", x) for j, x in enumerate(_list(f"{where}[{i}]", r))] for i, r in enumerate(rows)
     ]
+    if not out or not all(out):
+        raise ParityCompareError(f"{where}: empty: nothing to compare")
+    return out
 
 
 def _series(where: str, value: Any) -> list[float]:
-    return [_finite(f"{where}[{i}]", x) for i, x in enumerate(_list(where, value))]
+    out = [_finite(f"{where}[{i}]", x) for i, x in enumerate(_list(where, value))]
+    if not out:
+        raise ParityCompareError(f"{where}: empty: nothing to compare")
+    return out
 
 
 def _checksums(where: str, value: Any) -> dict[str, dict[str, float]]:
@@ -116,7 +150,12 @@ def _checksums(where: str, value: Any) -> dict[str, dict[str, float]]:
         point = record.get("point")
         if not isinstance(point, str):
             raise ParityCompareError(f"{where}[{i}].point={point!r}: expected a point name")
+        depth(point)  # a name it can place, or a named error
+        if point in out:
+            raise ParityCompareError(f"{where}[{i}]: point {point!r} is recorded twice")
         out[point] = {stat: _finite(f"{where}[{i}].{stat}", record.get(stat)) for stat in STATISTICS}
+    if not out:
+        raise ParityCompareError(f"{where}: empty: nothing to compare")
     return out
 
 
@@ -125,11 +164,21 @@ def _topk(where: str, value: Any) -> dict[str, dict[tuple[int, int], frozenset[i
 
     out = {}
     for layer, record in _mapping(where, value).items():
+        record = _mapping(f"{where}.{layer}", record)
+        rows = _list(f"{where}.{layer}.rows", record.get("rows"))
+        lengths = _list(f"{where}.{layer}.lengths", record.get("lengths"))
+        for i, row in enumerate(rows):
+            if not isinstance(row, list) or len(row) != 2:
+                raise ParityCompareError(f"{where}.{layer}.rows[{i}]={row!r}: expected [sequence, query]")
+            _index(f"{where}.{layer}.rows[{i}][0]", row[0])
+            _index(f"{where}.{layer}.rows[{i}][1]", row[1])
+        for i, n in enumerate(lengths):
+            _index(f"{where}.{layer}.lengths[{i}]", n)
+        if not rows or len(rows) != len(lengths) or len({tuple(r) for r in rows}) != len(rows):
+            raise ParityCompareError(f"{where}.{layer}: rows and lengths must be non-empty, as many, and unique")
         try:
-            out[layer] = topk_sets(_mapping(f"{where}.{layer}", record))
-        except ParityCompareError:
-            raise
-        except Exception as exc:  # base64, lengths and rows that do not fit together: malformed, named
+            out[layer] = topk_sets(record)
+        except Exception as exc:  # base64 and keys that do not fit the rows: malformed, named
             raise ParityCompareError(f"{where}.{layer}: malformed top-k record ({type(exc).__name__}: {exc})") from None
     return out
 
@@ -140,28 +189,29 @@ class ModelValues:
     after_logprobs: list[list[float]]
     losses: list[float]
     grad_norms: list[float]
-    checksums: dict[str, dict[str, float]]  # point -> statistic (mean, rms, proj) -> value, in forward order
+    checksums: dict[str, dict[str, float]]  # point -> statistic (mean, rms, proj) -> value
     topk: dict[str, dict[tuple[int, int], frozenset[int]]]
-    indexer_qk: bool
+    fused_indexer: bool  # an Ascend run whose indexer ran inside MindSpeed's fused kernel (no q/k points)
 
 
 def model_values(run: Mapping[str, Any], model: str) -> ModelValues:
     where = f"{run.get('_path', 'run')}: models.{model}"
-    m = _mapping(
-        where,
-        _mapping(f"{where}", run.get("models", {})).get(model) if isinstance(run.get("models"), Mapping) else None,
-    )
+    m = _mapping(where, _mapping(f"{run.get('_path', 'run')}: models", run.get("models")).get(model))
     evaluation = _mapping(f"{where}.eval", m.get("eval"))
     train = _mapping(f"{where}.train", m.get("train"))
     after = _mapping(f"{where}.after_training", m.get("after_training"))
+    losses = _series(f"{where}.train.losses", train.get("losses"))
+    grad_norms = _series(f"{where}.train.grad_norms", train.get("grad_norms"))
+    if len(losses) != len(grad_norms):
+        raise ParityCompareError(f"{where}.train: {len(losses)} losses but {len(grad_norms)} gradient norms")
     return ModelValues(
         logprobs=_logprobs(f"{where}.eval.logprobs", evaluation.get("logprobs")),
         after_logprobs=_logprobs(f"{where}.after_training.logprobs", after.get("logprobs")),
-        losses=_series(f"{where}.train.losses", train.get("losses")),
-        grad_norms=_series(f"{where}.train.grad_norms", train.get("grad_norms")),
+        losses=losses,
+        grad_norms=grad_norms,
         checksums=_checksums(f"{where}.eval.checksums", evaluation.get("checksums")),
         topk=_topk(f"{where}.eval.topk", evaluation.get("topk", {})),
-        indexer_qk=evaluation.get("indexer_qk") is True,
+        fused_indexer=run.get("platform") == "ascend" and evaluation.get("indexer_qk") is False,
     )
 
 
@@ -181,16 +231,14 @@ def _same_shape(where: str, a: list[list[float]], b: list[list[float]]) -> None:
 
 def overlap(a: Mapping[tuple[int, int], frozenset[int]], b: Mapping[tuple[int, int], frozenset[int]]) -> float:
     """Mean over the query rows of |A & B| / max(|A|, |B|): 1.0 when every row selects the same keys."""
-    if set(a) != set(b):
-        raise ValueError("the runs stored different query rows")
-    if not a:
-        return 1.0
+    if set(a) != set(b) or not a:
+        raise ValueError("the runs stored different (or no) query rows")
     return sum(len(a[r] & b[r]) / max(len(a[r]), len(b[r]), 1) for r in a) / len(a)
 
 
 @dataclasses.dataclass(frozen=True)
 class Spread:
-    """The differences between two runs of one model: what the tolerances are derived from, and what is judged."""
+    """How one run of a model differs from another (the second is the reference side)."""
 
     logprob_mean: float
     logprob_max: float
@@ -198,51 +246,60 @@ class Spread:
     after_logprob_max: float
     losses: list[float]  # per step, absolute
     grad_norms: list[float]  # per step, relative to the second run's
-    checksums: dict[str, dict[str, float]]  # point -> statistic -> |difference|, points of the second run
+    checksums: dict[str, dict[str, float]]  # point -> statistic -> |difference|, points of both runs
     missing_points: list[str]  # points of the second run the first has not
-    extra_points: list[str]  # points of the first run the second has not (a module that ran twice, another build)
-    topk_overlap: dict[str, float]  # layer -> overlap
+    extra_points: list[str]  # points of the first run the second has not
+    topk_overlap: dict[str, float]  # layer -> overlap, layers of both runs
     missing_topk: list[str]
+    extra_topk: list[str]
 
 
 def spread(a: ModelValues, b: ModelValues) -> Spread:
-    """How ``a`` differs from ``b`` (``b`` is the reference side). Raises ValueError for shapes that differ."""
+    """How ``a`` differs from ``b``. Raises ValueError for shapes that differ (a FAIL where it is judged)."""
     _same_shape("eval log-probs", a.logprobs, b.logprobs)
     _same_shape("log-probs after training", a.after_logprobs, b.after_logprobs)
-    if len(a.losses) != len(b.losses) or len(a.grad_norms) != len(b.grad_norms):
+    if len(a.losses) != len(b.losses):
         raise ValueError(f"training steps differ ({len(a.losses)} vs {len(b.losses)})")
     d = [abs(x - y) for x, y in zip(_flat(a.logprobs), _flat(b.logprobs), strict=True)]
     d_after = [abs(x - y) for x, y in zip(_flat(a.after_logprobs), _flat(b.after_logprobs), strict=True)]
-    checks = {
-        p: {stat: abs(a.checksums[p][stat] - value) for stat, value in stats.items()}
-        for p, stats in b.checksums.items()
-        if p in a.checksums
-    }
+    both = [p for p in b.checksums if p in a.checksums]
     return Spread(
-        logprob_mean=sum(d) / max(len(d), 1),
-        logprob_max=max(d, default=0.0),
-        after_logprob_mean=sum(d_after) / max(len(d_after), 1),
-        after_logprob_max=max(d_after, default=0.0),
+        logprob_mean=sum(d) / len(d),
+        logprob_max=max(d),
+        after_logprob_mean=sum(d_after) / len(d_after),
+        after_logprob_max=max(d_after),
         losses=[abs(x - y) for x, y in zip(a.losses, b.losses, strict=True)],
         grad_norms=[abs(x - y) / max(abs(y), 1e-300) for x, y in zip(a.grad_norms, b.grad_norms, strict=True)],
-        checksums=checks,
+        checksums={p: {s: abs(a.checksums[p][s] - b.checksums[p][s]) for s in STATISTICS} for p in both},
         missing_points=[p for p in b.checksums if p not in a.checksums],
         extra_points=[p for p in a.checksums if p not in b.checksums],
         topk_overlap={layer: overlap(a.topk[layer], sets) for layer, sets in b.topk.items() if layer in a.topk},
         missing_topk=[layer for layer in b.topk if layer not in a.topk],
+        extra_topk=[layer for layer in a.topk if layer not in b.topk],
     )
 
 
-# --- tolerances -----------------------------------------------------------------------------------------------------
+# --- errors and tolerances ------------------------------------------------------------------------------------------
 def errors(primary: Mapping[str, Any], precise: Mapping[str, Any], repeat: Mapping[str, Any] | None = None):
-    """Per model, ``primary``'s measured error: its spread against ``precise`` (the same job in the next wider
-    dtype, standing in for the exact values) and against ``repeat`` (the same job again), the larger of the two."""
+    """Per model, ``primary``'s measured error: its spread against ``precise`` (the same job one dtype wider, for
+    the exact values) and against ``repeat`` (the same job again), the larger of the two. Both must hold every
+    value ``primary`` has. Raises ParityCompareError for runs that cannot be measured against each other."""
     out: dict[str, Any] = {}
     for model in models_of(primary):
         ref = model_values(primary, model)
-        spreads = [spread(model_values(precise, model), ref)]
-        if repeat is not None:
-            spreads.append(spread(model_values(repeat, model), ref))
+        spreads = []
+        for other in (precise, repeat):
+            if other is None:
+                continue
+            try:
+                s = spread(model_values(other, model), ref)
+            except ValueError as exc:
+                raise ParityCompareError(f"{other.get('_path')} cannot measure {primary.get('_path')}: {exc}") from None
+            if s.missing_points or s.missing_topk:
+                missing = [*s.missing_points, *s.missing_topk][:4]
+                raise ParityCompareError(f"{other.get('_path')} cannot measure {primary.get('_path')} ({model}): it "
+                                         f"lacks {', '.join(missing)}")  # fmt: skip
+            spreads.append(s)
 
         def worst(name: str, spreads: list[Spread] = spreads) -> float:
             return max(getattr(s, name) for s in spreads)
@@ -254,111 +311,128 @@ def errors(primary: Mapping[str, Any], precise: Mapping[str, Any], repeat: Mappi
             "after_logprob_max": worst("after_logprob_max"),
             "losses": [max(s.losses[i] for s in spreads) for i in range(len(ref.losses))],
             "grad_norms": [max(s.grad_norms[i] for s in spreads) for i in range(len(ref.grad_norms))],
-            "checksums": _depth_relative_spreads(ref, spreads),  # relative to each point's RMS
-            "topk_disagreement": {
-                layer: 1.0 - min((s.topk_overlap.get(layer, 1.0) for s in spreads), default=1.0) for layer in ref.topk
-            },
+            "checksums": _depth_relative(ref, spreads),
+            "topk_disagreement": {layer: 1.0 - min(s.topk_overlap[layer] for s in spreads) for layer in ref.topk},
         }
     return out
 
 
-def tolerances(
-    run: Mapping[str, Any], reference_errors: Mapping[str, Any], candidate_errors: Mapping[str, Any] | None = None
-) -> dict[str, Any]:
-    """Per model, the tolerances for comparing a run with ``run`` (the reference's run of that dtype).
+def _depth_relative(ref: ModelValues, spreads: Sequence[Spread]) -> dict[str, dict[str, float]]:
+    """Per point and statistic, the largest relative error (|d| / the point's RMS) at its depth or shallower."""
+    at_depth: dict[int, dict[str, float]] = {}
+    for point, stats in ref.checksums.items():
+        scale = stats["rms"] or 1.0
+        level = at_depth.setdefault(depth(point)[0], dict.fromkeys(STATISTICS, 0.0))
+        for stat in STATISTICS:
+            level[stat] = max(level[stat], *(s.checksums[point][stat] / scale for s in spreads))
+    running, cumulative = dict.fromkeys(STATISTICS, 0.0), {}
+    for level in sorted(at_depth):
+        running = {stat: max(running[stat], at_depth[level][stat]) for stat in STATISTICS}
+        cumulative[level] = running
+    return {point: dict(cumulative[depth(point)[0]]) for point in ref.checksums}
 
-    |X - R| <= |X - T| + |R - T|: the reference's measured error plus the candidate's (``candidate_errors``, measured
-    the same way on its own platform) when it is given, else the reference's twice (the candidate assumed no less
-    accurate); never below the rounding of the result itself (the unit roundoff of the dtype x its magnitude).
-    """
-    u = UNIT_ROUNDOFF[run_dtype(run)]
+
+def _profile(where: str, value: Any) -> dict[str, Any]:
+    """An error profile (one model's ``errors`` entry) from outside, every number finite and non-negative."""
+    e = _mapping(where, value)
+
+    def number(key: str, v: Any) -> float:
+        x = _finite(f"{where}.{key}", v)
+        if x < 0:
+            raise ParityCompareError(f"{where}.{key}={x}: an error is never negative")
+        return x
+
+    scalars = {
+        k: number(k, e.get(k)) for k in ("logprob_mean", "logprob_max", "after_logprob_mean", "after_logprob_max")
+    }
+    return {
+        **scalars,
+        "losses": [number(f"losses[{i}]", v) for i, v in enumerate(_list(f"{where}.losses", e.get("losses")))],
+        "grad_norms": [
+            number(f"grad_norms[{i}]", v) for i, v in enumerate(_list(f"{where}.grad_norms", e.get("grad_norms")))
+        ],
+        "checksums": {
+            p: {s: number(f"checksums.{p}.{s}", _mapping(f"{where}.checksums.{p}", v).get(s)) for s in STATISTICS}
+            for p, v in _mapping(f"{where}.checksums", e.get("checksums")).items()
+        },
+        "topk_disagreement": {
+            layer: number(f"topk_disagreement.{layer}", v)
+            for layer, v in _mapping(f"{where}.topk_disagreement", e.get("topk_disagreement")).items()
+        },
+    }  # fmt: skip
+
+
+def _add(a: Mapping[str, Any], b: Mapping[str, Any]) -> dict[str, Any]:
+    """Two error profiles added term by term (a term ``b`` lacks counts as ``a``'s: assumed no better)."""
     out: dict[str, Any] = {}
-    for model, ref_err in reference_errors.items():
-        if model not in models_of(run):
-            continue
-        cand = (candidate_errors or {}).get(model, ref_err)
+    for key, value in a.items():
+        other = b.get(key, value)
+        if isinstance(value, list):
+            out[key] = [x + (other[i] if i < len(other) else x) for i, x in enumerate(value)]
+        elif isinstance(value, Mapping):
+            out[key] = {k: _add(v, other.get(k, v)) if isinstance(v, Mapping) else v + other.get(k, v)
+                        for k, v in value.items()}  # fmt: skip
+        else:
+            out[key] = value + other
+    return out
+
+
+def tolerances(run: Mapping[str, Any], total: Mapping[str, Any], resolution: str | None = None) -> dict[str, Any]:
+    """Per model of ``total`` (error profiles: the sum the mode allows), the tolerances for comparing with ``run``
+    (the reference side), each at least the rounding of the result itself in the dtype ``resolution`` (default:
+    ``run``'s)."""
+    u = UNIT_ROUNDOFF[resolution or run_dtype(run)]
+    out: dict[str, Any] = {}
+    for model, err in total.items():
         values = model_values(run, model)
-        logprob_scale = max((abs(x) for x in _flat(values.logprobs)), default=1.0)
-        after_scale = max((abs(x) for x in _flat(values.after_logprobs)), default=1.0)
-
-        def both(key: str, floor: float, ref_err: Mapping[str, Any] = ref_err, cand: Mapping[str, Any] = cand) -> float:
-            return max(_finite(f"errors.{key}", ref_err[key]) + _finite(f"errors.{key}", cand[key]), floor)
-
-        steps = range(len(values.losses))
-        checksums = {}
-        for point, stats in values.checksums.items():
-            relative = _finite(f"errors.checksums.{point}", ref_err["checksums"].get(point, 0.0))
-            relative += _finite(f"errors.checksums.{point}", cand["checksums"].get(point, relative))
-            checksums[point] = dict.fromkeys(STATISTICS, max(relative * stats["rms"], u * stats["rms"]))
+        scale = max(abs(x) for x in _flat(values.logprobs))
+        after = max(abs(x) for x in _flat(values.after_logprobs))
+        if len(err["losses"]) != len(values.losses):
+            raise ParityCompareError(
+                f"errors of {model} cover {len(err['losses'])} steps, the run has {len(values.losses)}"
+            )
+        missing = [p for p in values.checksums if p not in err["checksums"]]
+        missing += [layer for layer in values.topk if layer not in err["topk_disagreement"]]
+        if missing:
+            raise ParityCompareError(f"no measured error for {model} at {', '.join(missing[:4])}")
         out[model] = {
-            "logprob_mean": both("logprob_mean", u * logprob_scale),
-            "logprob_max": both("logprob_max", u * logprob_scale),
-            "after_logprob_mean": both("after_logprob_mean", u * after_scale),
-            "after_logprob_max": both("after_logprob_max", u * after_scale),
-            "losses": [max(ref_err["losses"][i] + cand["losses"][i], u * abs(values.losses[i])) for i in steps],
-            "grad_norms": [max(ref_err["grad_norms"][i] + cand["grad_norms"][i], u) for i in steps],
-            "checksums": checksums,
-            "topk_min_overlap": {
-                layer: max(0.0, 1.0 - d - cand["topk_disagreement"].get(layer, d))
-                for layer, d in ref_err["topk_disagreement"].items()
+            "logprob_mean": max(err["logprob_mean"], u * scale),
+            "logprob_max": max(err["logprob_max"], u * scale),
+            "after_logprob_mean": max(err["after_logprob_mean"], u * after),
+            "after_logprob_max": max(err["after_logprob_max"], u * after),
+            "losses": [max(e, u * abs(x)) for e, x in zip(err["losses"], values.losses, strict=True)],
+            "grad_norms": [max(e, u) for e in err["grad_norms"]],
+            "checksums": {
+                p: {s: max(err["checksums"][p][s], u) * stats["rms"] for s in STATISTICS}
+                for p, stats in values.checksums.items()
             },
+            "topk_min_overlap": {layer: max(0.0, 1.0 - err["topk_disagreement"][layer]) for layer in values.topk},
         }
     return out
 
 
 def derive(primary: Mapping[str, Any], precise: Mapping[str, Any], repeat: Mapping[str, Any] | None) -> dict[str, Any]:
-    """The tolerances of ``primary``'s dtype with the candidate assumed no less accurate (twice the reference's
-    measured error, module docstring)."""
-    return tolerances(primary, errors(primary, precise, repeat))
-
-
-def depth(point: str) -> tuple[int, int]:
-    """Where a checksum point sits in the forward pass: (-1, 0) the embedding, (N, 0) layer N, (10**6, 0) after
-    the last layer (final norm, logits); the micro-batch does not count (each is a forward of its own)."""
-    name = point.partition("/")[2].partition("#")[0]
-    if name.startswith("layers."):
-        return int(name.split(".")[1]), 0
-    return (-1, 0) if name == "embedding" else (10**6, 0)
-
-
-def _depth_relative_spreads(ref: ModelValues, spreads: Sequence[Spread]) -> dict[str, float]:
-    """Per point, the largest relative spread (|d| / the point's RMS) measured at its depth or shallower.
-
-    One measured difference at one point is one sample of a rounding error; another implementation's can be larger
-    there while the reference's happened to be small. Rounding errors grow with depth, so the error a legitimate
-    implementation may make at a depth is bounded by the largest the reference made at that depth or before it.
-    """
-    at_depth: dict[tuple[int, int], float] = {}
-    for point, stats in ref.checksums.items():
-        scale = stats["rms"] or 1.0
-        worst = max((max(s.checksums[point].values()) for s in spreads if point in s.checksums), default=0.0)
-        key = depth(point)
-        at_depth[key] = max(at_depth.get(key, 0.0), worst / scale)
-    running, cumulative = 0.0, {}
-    for key in sorted(at_depth):
-        running = max(running, at_depth[key])
-        cumulative[key] = running
-    return {point: cumulative[depth(point)] for point in ref.checksums}
+    """The default mode's tolerances of ``primary``'s dtype: twice its measured error (module docstring)."""
+    measured = errors(primary, precise, repeat)
+    return tolerances(primary, {m: _add(e, e) for m, e in measured.items()})
 
 
 DERIVATION = (
-    "tolerance = max(2 x the largest measured spread, the unit roundoff of the dtype x the value's magnitude); "
-    "spread of a bf16 value: against the same job in fp32 and against a second bf16 run; of an fp32 value: "
-    "against fp64 and a second fp32 run; all on the reference device. For an activation checksum the spread is "
-    "relative to the tensor's RMS and the largest at its layer or any layer before it (rounding errors grow with "
-    "depth; one point's measured error is one sample). A top-k's minimum overlap = "
-    "1 - 2 x (1 - its measured overlap). Why 2: |X - R| <= |X - T| + |R - T| for any implementation X no less "
-    "accurate than the reference R (T: the exact value). Why the roundoff term: two implementations round the "
-    "result itself independently (for a checksum, by up to one unit roundoff of its RMS)."
+    "default: tolerance = max(2 x the reference's measured error, the unit roundoff of the dtype x the value's "
+    "magnitude); with --precise: the reference's error + the run's own error (against its wider run on its "
+    "platform) + the distance between the two wider runs, which must itself be within the reference's error. "
+    "The reference's error of a bf16 value: against the same job in fp32 and a second bf16 run; of an fp32 "
+    "value: against fp64 and a second fp32 run; all on the reference device. For an activation checksum the "
+    "error is relative to the tensor's RMS and the largest at its layer or any layer before it (rounding errors "
+    "grow with depth; one point's measured error is one sample). A top-k's minimum overlap = 1 - the summed key "
+    "disagreements. Why a sum: |X - R| <= |X - T| + |R - T| (T: the exact value); why 2 by default: X assumed "
+    "no less accurate than the reference."
 )
 
 
 def reference(runs: Mapping[str, Mapping[str, Any]], repeats: Mapping[str, Mapping[str, Any]]) -> dict[str, Any]:
-    """The reference file: the bf16 and fp32 runs, their tolerances and how they were derived.
-
-    ``runs``: dtype -> run for bf16, fp32 and fp64 (fp64 only measures fp32's error); ``repeats``: dtype -> a second
-    run of bf16 and fp32 (run-to-run).
-    """
+    """The reference file: the bf16, fp32 and fp64 runs, the bf16 and fp32 measured errors, the default tolerances
+    and how they were derived. ``runs``: dtype -> run; ``repeats``: dtype -> a second bf16 and fp32 run."""
     missing = [d for d in ("bf16", "fp32", "fp64") if d not in runs] + [d for d in ("bf16", "fp32") if d not in repeats]
     if missing:
         raise ParityCompareError(f"a reference needs runs in bf16, fp32 and fp64 and repeats in bf16 and fp32; "
@@ -366,14 +440,14 @@ def reference(runs: Mapping[str, Mapping[str, Any]], repeats: Mapping[str, Mappi
     for dtype, run in [*runs.items(), *repeats.items()]:
         if run_dtype(run) != dtype:
             raise ParityCompareError(f"{run.get('_path', 'run')}: dtype {run_dtype(run)}, given as the {dtype} run")
-    devices = {r.get("device") for r in [*runs.values(), *repeats.values()]}
+    devices = {str(r.get("device")) for r in [*runs.values(), *repeats.values()]}
     if len(devices) != 1:
-        raise ParityCompareError(f"the runs come from different devices ({', '.join(map(str, devices))})")
+        raise ParityCompareError(f"the runs come from different devices ({', '.join(sorted(devices))})")
     measured, limits, spreads = {}, {}, {}
     for dtype in ("bf16", "fp32"):
         precise = PRECISE[dtype]
         measured[dtype] = errors(runs[dtype], runs[precise], repeats[dtype])
-        limits[dtype] = tolerances(runs[dtype], measured[dtype])
+        limits[dtype] = derive(runs[dtype], runs[precise], repeats[dtype])
         spreads[dtype] = {}
         for model in models_of(runs[dtype]):
             ref = model_values(runs[dtype], model)
@@ -381,24 +455,27 @@ def reference(runs: Mapping[str, Mapping[str, Any]], repeats: Mapping[str, Mappi
                 precise: _summary(spread(model_values(runs[precise], model), ref)),
                 "repeat": _summary(spread(model_values(repeats[dtype], model), ref)),
             }
-    strip = lambda run: {k: v for k, v in run.items() if not k.startswith("_")}  # noqa: E731
     return {
         "kind": REFERENCE_KIND,
         "format": FORMAT,
         "device": next(iter(devices)),
         "versions": runs["bf16"].get("versions"),
         "derivation": DERIVATION,
-        "runs": {dtype: strip(runs[dtype]) for dtype in ("bf16", "fp32", "fp64")},  # fp64: for --precise fp64
-        "errors": measured,  # the reference's measured error per dtype and model (compare adds a candidate's)
-        "tolerances": limits,  # with the candidate assumed no less accurate: twice the reference's error
+        "runs": {dtype: _strip(runs[dtype]) for dtype in ("bf16", "fp32", "fp64")},  # fp64: for --precise fp64
+        "errors": measured,  # the reference's measured error per dtype and model
+        "tolerances": limits,  # the default mode's: twice the reference's error
         "measured_spreads": spreads,
     }
 
 
+def _strip(run: Mapping[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in run.items() if not k.startswith("_")}
+
+
 def _summary(s: Spread) -> dict[str, Any]:
     return {
-        "logprob_mean": s.logprob_mean, "logprob_max": s.logprob_max, "loss_max": max(s.losses, default=0.0),
-        "grad_norm_max_relative": max(s.grad_norms, default=0.0),
+        "logprob_mean": s.logprob_mean, "logprob_max": s.logprob_max, "loss_max": max(s.losses),
+        "grad_norm_max_relative": max(s.grad_norms),
         "checksum_max": max((max(v.values()) for v in s.checksums.values()), default=0.0),
         "topk_min_overlap": min(s.topk_overlap.values(), default=1.0),
     }  # fmt: skip
@@ -408,8 +485,8 @@ def _summary(s: Spread) -> dict[str, Any]:
 @dataclasses.dataclass(frozen=True)
 class Comparison:
     checks: list[Check]
-    layer_differences: dict[str, list[tuple[str, float]]]  # model -> (point, max |d| / tolerance) in forward order
-    first_fault: dict[str, str | None]  # model -> the first point out of tolerance
+    layer_differences: dict[str, list[tuple[str, float]]]  # model -> (point, max |d| / tolerance), by depth
+    first_fault: dict[str, str | None]  # model -> the shallowest point out of tolerance (or missing)
 
     @property
     def failed(self) -> bool:
@@ -428,11 +505,11 @@ class Comparison:
         }
 
 
-def _judge(name: str, value: float, tolerance: Any, detail: str, *, at_least: bool = False) -> Check:
-    limit = _finite(f"tolerance of {name}", tolerance)
-    bad = not math.isfinite(value) or (value < limit if at_least else value > limit)
-    sign = ">=" if at_least else "<="
-    return Check(name, FAIL if bad else OK, f"{detail} {value:.3g} (allowed {sign} {limit:.3g})")
+def reference_run(ref: Mapping[str, Any], dtype: str) -> dict[str, Any]:
+    runs = _mapping(f"{ref.get('_path')}: runs", ref.get("runs"))
+    if dtype not in runs:
+        raise ParityCompareError(f"{ref.get('_path')}: no {dtype} run (it has {', '.join(runs)})")
+    return {**_mapping(f"{ref.get('_path')}: runs.{dtype}", runs[dtype]), "_path": f"{ref.get('_path')}#runs.{dtype}"}
 
 
 def compare(
@@ -444,9 +521,8 @@ def compare(
     precise: Mapping[str, Any] | None = None,
 ) -> Comparison:
     """Judge ``run`` against ``against`` (the reference's run of the same dtype, or another run) with tolerances from
-    ``ref``'s measured errors; ``exact``: every value must be equal. ``models``: the models to judge (default: every
-    model of ``against``; one the run lacks fails). ``precise``: the same job as ``run`` in the next wider dtype on
-    the run's own platform: then the run's own error is measured and counted, instead of assumed (module docstring)."""
+    ``ref``'s measured errors (module docstring); ``exact``: every value must be equal. ``models``: the models to
+    judge (default: every model of ``against``; one the run lacks fails). ``precise``: the run's own wider run."""
     if mode not in MODES:
         raise ParityCompareError(f"mode {mode!r}: choose one of {', '.join(MODES)}")
     dtype = run_dtype(run)
@@ -455,85 +531,78 @@ def compare(
                                  "compare runs of one dtype")  # fmt: skip
     expected = list(models) if models else models_of(against)
     unknown = [m for m in expected if m not in models_of(against)]
-    if unknown:
-        raise ParityCompareError(f"--model {', '.join(unknown)}: {against.get('_path')} has "
-                                 f"{', '.join(models_of(against))}")  # fmt: skip
-    limits = _limits(run, against, ref, precise, expected) if mode != "exact" else {}
-    checks: list[Check] = []
+    if unknown or not expected:
+        raise ParityCompareError(f"--model {', '.join(unknown) or '(none)'}: {against.get('_path')} has "
+                                 f"{', '.join(models_of(against)) or 'no models'}")  # fmt: skip
+    judged = [m for m in expected if m in models_of(run)]
+    checks = [Check(f"{m}.model", FAIL, f"the run has no {m} results") for m in expected if m not in judged]
+    checks += [Check(f"{m}.model", WARN, "not judged (not among the models compared)") for m in models_of(run)
+               if m not in expected]  # fmt: skip
+    limits: dict[str, Any] = {}
+    if mode != "exact" and judged:
+        limits, wider_checks = _limits(run, against, ref, precise, judged)
+        checks += wider_checks
     layers: dict[str, list[tuple[str, float]]] = {}
     faults: dict[str, str | None] = {}
-    for model in models_of(run):
-        if model not in expected:
-            checks.append(Check(f"{model}.model", WARN, "not judged (not among the models compared)"))
-    for model in expected:
-        if model not in models_of(run):
-            checks.append(Check(f"{model}.model", FAIL, f"the run has no {model} results"))
-            continue
-        values, other = model_values(run, model), model_values(against, model)  # malformed: ParityCompareError
+    for model in judged:
+        values, other = model_values(run, model), model_values(against, model)
         try:
             s = spread(values, other)
         except ValueError as exc:  # shapes that differ: a FAIL, not a bad input
             checks.append(Check(f"{model}.shape", FAIL, f"not comparable: {exc}"))
+            faults[model] = "shape"
             continue
-        tol = limits.get(model) if mode != "exact" else None
-        model_checks, layers[model], faults[model] = _model_checks(model, s, tol, model_values(run, model))
+        model_checks, layers[model], faults[model] = _model_checks(model, s, limits.get(model), values, mode)
         checks += model_checks
     return Comparison(checks, layers, faults)
 
 
-def _limits(run, against, ref, precise, models) -> dict[str, Any]:
-    """The tolerances per model: the reference's measured error plus the run's (measured with ``precise``, else
-    assumed equal to the reference's)."""
-    dtype = run_dtype(run)
+def _reference_errors(ref: Mapping[str, Any], dtype: str, models: Sequence[str]) -> dict[str, Any]:
     table = _mapping(f"{ref.get('_path')}: errors", ref.get("errors"))
     if dtype not in table:
         raise ParityCompareError(
             f"{ref.get('_path')}: no measured errors for dtype {dtype} (it has {', '.join(table)})"
         )
-    reference_errors = {
-        m: _mapping(f"errors.{dtype}.{m}", e) for m, e in _mapping(f"errors.{dtype}", table[dtype]).items()
-    }
-    missing = [m for m in models if m not in reference_errors]
+    per_model = _mapping(f"{ref.get('_path')}: errors.{dtype}", table[dtype])
+    missing = [m for m in models if m not in per_model]
     if missing:
         raise ParityCompareError(f"{ref.get('_path')}: no measured errors for model {', '.join(missing)}")
-    candidate = None
-    if precise is not None:
-        if run_dtype(precise) != PRECISE.get(dtype):
-            raise ParityCompareError(f"--precise {precise.get('_path')}: a {run_dtype(precise)} run; a {dtype} run's "
-                                     f"error is measured against {PRECISE.get(dtype, 'nothing wider')}")  # fmt: skip
-        if precise.get("device") != run.get("device"):
-            where = f"{precise.get('device')}, the run on {run.get('device')}"
-            raise ParityCompareError(f"--precise {precise.get('_path')} ran on {where}: the run's error is measured "
-                                     "on its own platform")  # fmt: skip
-        candidate = errors(_only(run, models), _only(precise, models))
-        # the two platforms' wider-dtype runs stand for the exact values: measure how far apart those are too
-        wider = _mapping(f"{ref.get('_path')}: runs", ref.get("runs")).get(run_dtype(precise))
-        if wider is None:
-            raise ParityCompareError(f"{ref.get('_path')}: no {run_dtype(precise)} run to measure --precise against")
-        wider = {
-            **_mapping(f"runs.{run_dtype(precise)}", wider),
-            "_path": f"{ref.get('_path')}#runs.{run_dtype(precise)}",
-        }
-        apart = errors(_only(precise, models), _only(wider, models))
-        candidate = {m: _add_errors(candidate[m], apart[m]) for m in models}
-    try:
-        return tolerances(against, {m: reference_errors[m] for m in models}, candidate)
-    except (KeyError, IndexError, TypeError) as exc:
-        raise ParityCompareError(f"{ref.get('_path')}: malformed errors ({type(exc).__name__}: {exc})") from None
+    return {m: _profile(f"{ref.get('_path')}: errors.{dtype}.{m}", per_model[m]) for m in models}
 
 
-def _add_errors(a: Mapping[str, Any], b: Mapping[str, Any]) -> dict[str, Any]:
-    """Two error profiles added term by term: |X - R| <= |X - T'| + |T' - T| + |T - R|."""
-    out: dict[str, Any] = {}
-    for key, value in a.items():
-        other = b[key]
-        if isinstance(value, list):
-            out[key] = [x + y for x, y in zip(value, other, strict=True)]
-        elif isinstance(value, Mapping):
-            out[key] = {k: v + other.get(k, 0.0) for k, v in value.items()}
+def _limits(run, against, ref, precise, models) -> tuple[dict[str, Any], list[Check]]:
+    """(tolerances per model, the checks of the wider runs' agreement) for the mode (module docstring)."""
+    dtype = run_dtype(run)
+    reference_errors = _reference_errors(ref, dtype, models)
+    if precise is None:
+        return tolerances(against, {m: _add(e, e) for m, e in reference_errors.items()}), []
+    wider = run_dtype(precise)
+    if wider != PRECISE.get(dtype):
+        raise ParityCompareError(f"--precise {precise.get('_path')}: a {wider} run; a {dtype} run's error is measured "
+                                 f"against {PRECISE.get(dtype, 'nothing wider')}")  # fmt: skip
+    if str(precise.get("device")) != str(run.get("device")):
+        where = f"{precise.get('device')}, the run on {run.get('device')}"
+        raise ParityCompareError(f"--precise {precise.get('_path')} ran on {where}: the run's error is measured on "
+                                 "its own platform")  # fmt: skip
+    own = errors(_only(run, models), _only(precise, models))
+    reference_wider = _only(reference_run(ref, wider), models)
+    apart = errors(_only(precise, models), reference_wider)  # how far the two wider runs are from each other
+    checks = []
+    # the two wider runs are far more precise than the run's dtype: they agree within its measured error
+    for model in models:
+        judged = tolerances(reference_wider, {model: reference_errors[model]}, resolution=dtype)[model]
+        s = spread(model_values(precise, model), model_values(reference_wider, model))
+        wider_checks, _, first = _model_checks(f"{model}.wider", s, judged, model_values(precise, model), "reference")
+        failed = [c for c in wider_checks if c.status == FAIL]
+        if failed:
+            detail = (f"{precise.get('_path')} and the reference's {wider} run differ by more than the {dtype} error: "
+                      f"a fault every dtype shares; first at {first or failed[0].check}")  # fmt: skip
+            checks.append(Check(f"{model}.wider", FAIL, detail, fix=_localise(first) if first else ""))
+            checks += failed
         else:
-            out[key] = value + other
-    return out
+            checks.append(Check(f"{model}.wider", OK, f"the {wider} runs agree within the reference's {dtype} error"))
+    total = {m: _add(_add(reference_errors[m], own[m]), apart[m]) for m in models}
+    return tolerances(against, total), checks
 
 
 def _only(run: Mapping[str, Any], models: Sequence[str]) -> dict[str, Any]:
@@ -544,16 +613,23 @@ def _only(run: Mapping[str, Any], models: Sequence[str]) -> dict[str, Any]:
     return {**run, "models": {m: present[m] for m in models}}
 
 
-def _model_checks(model: str, s: Spread, tol: Mapping[str, Any] | None, values: ModelValues):
-    """(checks, per-point |d| / tolerance, the first point out of tolerance) of one model; ``tol`` None: exact."""
-    checks = _logprob_checks(model, s, tol) + _training_checks(model, s, tol) + _topk_checks(model, s, tol)
-    point_checks, ratios, first = _checksum_checks(model, s, tol, values)
+def _judge(name: str, value: float, limit: float, detail: str, *, at_least: bool = False) -> Check:
+    bad = not math.isfinite(value) or (value < limit if at_least else value > limit)
+    sign = ">=" if at_least else "<="
+    return Check(name, FAIL if bad else OK, f"{detail} {value:.3g} (allowed {sign} {limit:.3g})")
+
+
+def _model_checks(model: str, s: Spread, tol: Mapping[str, Any] | None, values: ModelValues, mode: str):
+    """(checks, per-point |d| / tolerance by depth, the shallowest point out of tolerance) of one model; ``tol``
+    None: exact."""
+    checks = _logprob_checks(model, s, tol) + _training_checks(model, s, tol) + _topk_checks(model, s, tol, mode)
+    point_checks, ratios, first = _checksum_checks(model, s, tol, values, mode)
     return checks + point_checks, ratios, first
 
 
 def _logprob_checks(model: str, s: Spread, tol: Mapping[str, Any] | None) -> list[Check]:
-    def limit(key: str) -> Any:
-        return 0.0 if tol is None else tol.get(key)
+    def limit(key: str) -> float:
+        return 0.0 if tol is None else tol[key]
 
     return [
         _judge(f"{model}.logprobs.mean", s.logprob_mean, limit("logprob_mean"), "mean |d log-prob| per token"),
@@ -564,11 +640,8 @@ def _logprob_checks(model: str, s: Spread, tol: Mapping[str, Any] | None) -> lis
 
 
 def _training_checks(model: str, s: Spread, tol: Mapping[str, Any] | None) -> list[Check]:
-    loss_tol = [0.0] * len(s.losses) if tol is None else _list("tolerances.losses", tol.get("losses"))
-    grad_tol = [0.0] * len(s.grad_norms) if tol is None else _list("tolerances.grad_norms", tol.get("grad_norms"))
-    if len(loss_tol) != len(s.losses) or len(grad_tol) != len(s.grad_norms):
-        steps = f"the reference's tolerances cover {len(loss_tol)} steps, the run has {len(s.losses)}"
-        return [Check(f"{model}.train", FAIL, steps)]
+    loss_tol = [0.0] * len(s.losses) if tol is None else tol["losses"]
+    grad_tol = [0.0] * len(s.grad_norms) if tol is None else tol["grad_norms"]
     checks = [
         _judge(f"{model}.loss.step{i}", d, t, "|d loss|")
         for i, (d, t) in enumerate(zip(s.losses, loss_tol, strict=True))
@@ -578,17 +651,18 @@ def _training_checks(model: str, s: Spread, tol: Mapping[str, Any] | None) -> li
     return checks
 
 
-def _topk_checks(model: str, s: Spread, tol: Mapping[str, Any] | None) -> list[Check]:
-    limits = {} if tol is None else _mapping("tolerances.topk_min_overlap", tol.get("topk_min_overlap"))
+def _topk_checks(model: str, s: Spread, tol: Mapping[str, Any] | None, mode: str) -> list[Check]:
     checks = []
     for layer, value in s.topk_overlap.items():
-        limit = 1.0 if tol is None else limits.get(layer)
-        if limit is None:
-            checks.append(Check(f"{model}.topk.{layer}", FAIL, "the reference has no tolerance for this layer"))
-            continue
+        limit = 1.0 if tol is None else tol["topk_min_overlap"][layer]
         checks.append(_judge(f"{model}.topk.{layer}", value, limit, "overlap of the selected keys", at_least=True))
     checks += [
         Check(f"{model}.topk.{layer}", FAIL, "the run recorded no top-k for this DSA layer") for layer in s.missing_topk
+    ]
+    status = FAIL if mode == "exact" else WARN
+    checks += [
+        Check(f"{model}.topk.{layer}", status, "a top-k the other run has not (another build?)")
+        for layer in s.extra_topk
     ]
     return checks
 
@@ -599,45 +673,51 @@ def _ratio(difference: float, tolerance: float) -> float:
     return math.inf if difference else 0.0
 
 
-def _checksum_checks(model: str, s: Spread, tol: Mapping[str, Any] | None, values: ModelValues):
-    limits = {} if tol is None else _mapping("tolerances.checksums", tol.get("checksums"))
-    checks, ratios, first = [], [], None
-    for point, differences in s.checksums.items():
-        exact = dict.fromkeys(STATISTICS, 0.0)
-        limit = exact if tol is None else _mapping(f"tolerances.checksums.{point}", limits.get(point))
-        allowed = {stat: _finite(f"tolerance of {point}.{stat}", limit.get(stat)) for stat in STATISTICS}
-        ratios.append((point, max(_ratio(differences[stat], allowed[stat]) for stat in STATISTICS)))
-        if first is None and any(differences[stat] > allowed[stat] for stat in STATISTICS):
-            first = point
-    # a fused indexer never materialises q and k: those points alone may be absent, and they say so
-    fused = [p for p in s.missing_points if p.endswith((".indexer.q", ".indexer.k")) and not values.indexer_qk]
-    for point in (p for p in s.missing_points if p not in fused):
-        checks.append(Check(f"{model}.checksum.{point}", FAIL, "the run has no checksum at this point"))
-        first = first or point
-    if fused:
-        detail = f"{len(fused)} indexer q/k points not comparable: this run's indexer ran inside a fused kernel"
+def _checksum_checks(model: str, s: Spread, tol: Mapping[str, Any] | None, values: ModelValues, mode: str):
+    # a fused indexer (MindSpeed's, on Ascend) never materialises q and k: those points alone may be absent
+    exempt = [
+        p for p in s.missing_points if values.fused_indexer and p.partition("#")[0].endswith(FUSED_INDEXER_POINTS)
+    ]
+    missing = [p for p in s.missing_points if p not in exempt]
+    ratios: list[tuple[str, float]] = []
+    bad: list[str] = []
+    for point in sorted([*s.checksums, *missing], key=depth):  # by depth: the first fault is the shallowest
+        if point in missing:
+            ratios.append((point, math.inf))
+            bad.append(point)
+            continue
+        limit = dict.fromkeys(STATISTICS, 0.0) if tol is None else tol["checksums"][point]
+        ratio = max(_ratio(s.checksums[point][stat], limit[stat]) for stat in STATISTICS)
+        ratios.append((point, ratio))
+        if ratio > 1.0:
+            bad.append(point)
+    checks = [Check(f"{model}.checksum.{p}", FAIL, "the run has no checksum at this point") for p in missing]
+    if exempt:
+        detail = f"{len(exempt)} indexer q/k points not comparable: this run's indexer ran inside a fused kernel"
         checks.append(Check(f"{model}.checksum.indexer", WARN, detail + " (its top-k and attention are compared)"))
     if s.extra_points:
         shown = ", ".join(s.extra_points[:4]) + (" ..." if len(s.extra_points) > 4 else "")
+        status = FAIL if mode == "exact" else WARN
         checks.append(
-            Check(f"{model}.checksum.extra", WARN, f"{len(s.extra_points)} points the other run has not: {shown}")
+            Check(f"{model}.checksum.extra", status, f"{len(s.extra_points)} points the other run has not: {shown}")
         )
-    if first is None:
+    if not bad:
         checks.append(Check(f"{model}.checksums", OK, f"{len(s.checksums)} points within tolerance"))
-        return checks, ratios, first
+        return checks, ratios, None
+    first = bad[0]
     differences = s.checksums.get(first)
     shown = ", ".join(f"|d {k}| {v:.3g}" for k, v in differences.items()) if differences else "absent"
-    detail = f"first point out of tolerance: {first} ({shown}); every point before it agrees"
+    detail = f"first point out of tolerance: {first} ({shown}); every shallower point agrees"
     checks.append(Check(f"{model}.checksums", FAIL, detail, fix=_localise(first)))
     return checks, ratios, first
 
 
 def _localise(point: str) -> str:
     """What the first failing point says about the fault."""
-    _, _, name = point.partition("/")
+    name = point.partition("/")[2].partition("#")[0]
     if name.endswith(".indexer.k_norm"):
         return "the DSA indexer's key norm differs (its eps, its dtype or its weights)"
-    if name.endswith((".indexer.q", ".indexer.k")):
+    if name.endswith(FUSED_INDEXER_POINTS):
         return "the indexer's query or key differ before the scores (a Hadamard rotation, RoPE layout, projection)"
     if name.endswith(".self_attention"):
         return "this layer's attention differs (its input norm, the top-k it attends over, the attention kernel)"
@@ -647,8 +727,11 @@ def _localise(point: str) -> str:
 
 
 # --- output -----------------------------------------------------------------------------------------------------------
+PLOT_FORMATS = ("png", "svg", "pdf")
+
+
 def plot(result: Comparison, path: str | Path, title: str) -> None:
-    """Per model, each checksum point's largest |d| / tolerance in forward order; 1.0 is the tolerance."""
+    """Per model, each checksum point's largest |d| / tolerance by depth; 1.0 is the tolerance."""
     import io
 
     import matplotlib
@@ -674,22 +757,11 @@ def plot(result: Comparison, path: str | Path, title: str) -> None:
     fig.suptitle(title)
     fig.tight_layout()
     buffer = io.BytesIO()
-    fig.savefig(buffer, format=Path(path).suffix.lstrip(".") or "png")
+    fig.savefig(buffer, format=Path(path).suffix.lstrip(".").lower())
     plt.close(fig)
     atomic.write_bytes(path, buffer.getvalue())
-
-
-def reference_run(ref: Mapping[str, Any], dtype: str) -> dict[str, Any]:
-    runs = _mapping(f"{ref.get('_path')}: runs", ref.get("runs"))
-    if dtype not in runs:
-        raise ParityCompareError(f"{ref.get('_path')}: no {dtype} run (it has {', '.join(runs)})")
-    return {**_mapping(f"{ref.get('_path')}: runs.{dtype}", runs[dtype]), "_path": f"{ref.get('_path')}#runs.{dtype}"}
 
 
 def as_table_title(run: Mapping[str, Any], against: Mapping[str, Any], mode: str) -> str:
     return (f"verl-npu parity: {run.get('_path')} ({run.get('device')}, {run.get('dtype')}, path {run.get('path')}) "
             f"vs {against.get('_path')} ({against.get('device')}), mode {mode}")  # fmt: skip
-
-
-def models_in(runs: Sequence[Mapping[str, Any]]) -> list[str]:
-    return sorted({m for r in runs for m in models_of(r)})

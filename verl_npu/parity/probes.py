@@ -42,18 +42,25 @@ def _tensor(output: Any) -> torch.Tensor | None:
 STATISTICS = ("mean", "rms", "proj")
 
 
-def _direction(size: int, device: torch.device) -> torch.Tensor:
+def checksum(t: torch.Tensor) -> dict[str, float]:
+    """``t``'s mean, root-mean-square and rows projected on the fixed vector of its row length.
+
+    On the host, in float64, with exactly rounded sums (``math.fsum``): two platforms that hold the same tensor
+    record the same checksum bit for bit, and no device needs float64 arithmetic (Ascend's has little).
+    """
+    import math
+
     from verl_npu.parity.models import uniform
 
-    return torch.from_numpy(uniform(f"probe/direction/{size}", size)).to(device)
-
-
-def checksum(t: torch.Tensor) -> dict[str, float]:
-    """``t``'s mean, root-mean-square and rows projected on the fixed vector of its row length, in float64."""
-    x = t.detach().to(torch.float64)
-    rows = x.reshape(-1, x.shape[-1]) if x.dim() else x.reshape(1, 1)
-    proj = (rows @ _direction(rows.shape[-1], rows.device)).mean()
-    return {"mean": float(x.mean()), "rms": float(x.pow(2).mean().sqrt()), "proj": float(proj)}
+    x = t.detach().to("cpu", torch.float64).numpy()
+    rows = x.reshape(-1, x.shape[-1]) if x.ndim else x.reshape(1, 1)
+    direction = uniform(f"probe/direction/{rows.shape[-1]}", rows.shape[-1])
+    n = x.size
+    return {
+        "mean": math.fsum(x.ravel()) / n,
+        "rms": math.sqrt(math.fsum((x * x).ravel()) / n),
+        "proj": math.fsum((rows * direction).ravel()) / rows.shape[0],
+    }
 
 
 def unwrap(chunk: Any) -> Any:

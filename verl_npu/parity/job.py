@@ -107,7 +107,8 @@ def start_device() -> Device:
     elif kind == "ascend":
         os.environ.setdefault("HCCL_DETERMINISTIC", "true")
         os.environ.setdefault("CLOSE_MATMUL_K_SHIFT", "1")
-    os.environ.setdefault("VERL_NPU_ALLOW_MISMATCH", "1")  # the reference device's torch differs from the pin
+    if kind != "ascend":  # the CUDA reference device and CPU boxes run other torch builds than the Ascend pin
+        os.environ.setdefault("VERL_NPU_ALLOW_MISMATCH", "1")
     import torch
 
     # warn_only: an op without a deterministic kernel (megatron's, torch's) runs and is recorded, never silently;

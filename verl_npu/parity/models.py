@@ -24,32 +24,58 @@ LayerNorm's eps, where the reference's eps (1e-6) and megatron-core's (1e-5) sel
 
 from __future__ import annotations
 
+import copy
 import dataclasses
+import functools
 import hashlib
 import json
 import math
 from pathlib import Path
 from typing import Any
 
+from verl_npu.errors import UserError
+
 REPO_ROOT = Path(__file__).resolve().parents[2]
 GLM5_2_CONFIG = REPO_ROOT / "examples" / "glm5_2" / "config.json"
 QWEN2_5_CONFIG = REPO_ROOT / "ci" / "nightly" / "models" / "qwen2_5_0_5b" / "config.json"
 
 
+class ParityModelError(UserError):
+    """A parity model whose published config is not where it is read from."""
+
+
 @dataclasses.dataclass(frozen=True)
 class ParityModel:
-    """One parity model: its shrunk real config, the data it runs on, and which path it exercises."""
+    """One parity model: its real config shrunk (read when first used), the data it runs on, the path it exercises."""
 
     name: str
-    config: dict[str, Any]
+    family: str  # "glm5_2" (examples/glm5_2/config.json) or "qwen2_5" (ci/nightly/models/qwen2_5_0_5b/config.json)
+    sizes: tuple[tuple[str, Any], ...]
     seq_len: int
     batch: int  # sequences per step and in the evaluation batch
     micro_batches: int  # the batch is split in this many (a top-k must not leak between them)
     fused_dsa: bool = False  # its shapes are the ones Ascend's fused DSA operators take
 
     @property
+    def config(self) -> dict[str, Any]:
+        return copy.deepcopy(_config(self.family, self.sizes))
+
+    @property
     def dsa(self) -> bool:
         return bool(self.config.get("index_topk"))
+
+
+def _published(path: Path) -> dict[str, Any]:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError) as exc:
+        raise ParityModelError(f"{path}: the parity models read their published config there ({exc}); run verl-npu "
+                               "from its checkout (an editable install, as the images have)") from None  # fmt: skip
+
+
+@functools.cache
+def _config(family: str, sizes: tuple[tuple[str, Any], ...]) -> dict[str, Any]:
+    return _glm5_2(**dict(sizes)) if family == "glm5_2" else _qwen2_5(**dict(sizes))
 
 
 def _glm5_2_layers(layers: int) -> dict[str, Any]:
@@ -65,7 +91,7 @@ def _glm5_2_layers(layers: int) -> dict[str, Any]:
 
 
 def _glm5_2(**sizes: Any) -> dict[str, Any]:
-    published = json.loads(GLM5_2_CONFIG.read_text())
+    published = _published(GLM5_2_CONFIG)
     config = {**published, **_glm5_2_layers(8), **sizes}
     config.pop("torch_dtype", None)
     config["qk_head_dim"] = config["qk_nope_head_dim"] + config["qk_rope_head_dim"]
@@ -73,7 +99,7 @@ def _glm5_2(**sizes: Any) -> dict[str, Any]:
 
 
 def _qwen2_5(**sizes: Any) -> dict[str, Any]:
-    published = json.loads(QWEN2_5_CONFIG.read_text())
+    published = _published(QWEN2_5_CONFIG)
     keep = {k: v for k, v in published.items() if k not in ("_name_or_path", "id2label", "label2id", "dtype")}
     config = {**keep, **sizes}
     config["layer_types"] = ["full_attention"] * config["num_hidden_layers"]
@@ -81,10 +107,15 @@ def _qwen2_5(**sizes: Any) -> dict[str, Any]:
     return config
 
 
+def _sizes(**sizes: Any) -> tuple[tuple[str, Any], ...]:
+    return tuple(sorted(sizes.items()))
+
+
 MODELS: dict[str, ParityModel] = {
     "glm5_2": ParityModel(
         "glm5_2",
-        _glm5_2(
+        "glm5_2",
+        _sizes(
             vocab_size=256, hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_attention_heads=4,
             num_key_value_heads=4, n_routed_experts=4, num_experts_per_tok=2, q_lora_rank=32, kv_lora_rank=32,
             qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16, index_n_heads=8, index_head_dim=16,
@@ -94,7 +125,8 @@ MODELS: dict[str, ParityModel] = {
     ),
     "glm5_2_fused_shape": ParityModel(
         "glm5_2_fused_shape",
-        _glm5_2(
+        "glm5_2",
+        _sizes(
             vocab_size=512, hidden_size=256, intermediate_size=512, moe_intermediate_size=64,
             num_attention_heads=32, num_key_value_heads=32, n_routed_experts=4, num_experts_per_tok=2,
             q_lora_rank=128, kv_lora_rank=512, qk_nope_head_dim=32, qk_rope_head_dim=64, v_head_dim=32,
@@ -104,7 +136,8 @@ MODELS: dict[str, ParityModel] = {
     ),
     "dense": ParityModel(
         "dense",
-        _qwen2_5(
+        "qwen2_5",
+        _sizes(
             vocab_size=256, hidden_size=64, intermediate_size=160, num_hidden_layers=4, num_attention_heads=4,
             num_key_value_heads=2, max_position_embeddings=256,
         ),

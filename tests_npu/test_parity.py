@@ -97,7 +97,6 @@ def test_the_same_build_twice_is_bitwise_equal_on_the_cpu(clean_fp32, workdir, r
     assert not cmp.compare(again, clean_fp32, reference, "exact").failed
 
 
-# injection -> (dtype, compared with, the first point out of tolerance, the checks that must fail)
 # injection -> (dtype, mode against the clean CPU run, the first point out of tolerance, the checks that must fail).
 # The clean CPU run is the same engine without the mismatch: every point before the fault is bitwise the same, so
 # the first fault is the mismatch's, whatever the CPU's own accuracy. Against the CUDA reference the run fails too,
@@ -249,7 +248,7 @@ def test_empty_or_unjudgeable_comparisons_never_pass(clean_fp32, workdir, tmp_pa
 
 
 def test_the_first_fault_is_the_shallowest_and_exact_mode_fails_on_extra_points(clean_fp32, reference):
-    run = json.loads(json.dumps({k: v for k, v in clean_fp32.items()}))
+    run = json.loads(json.dumps(clean_fp32))
     points = run["models"]["glm5_2"]["eval"]["checksums"]
     for record in points:
         if record["point"] in ("mb0/logits", "mb1/layers.0.self_attention"):

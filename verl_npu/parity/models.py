@@ -56,13 +56,17 @@ class ParityModel:
     micro_batches: int  # the batch is split in this many (a top-k must not leak between them)
     fused_dsa: bool = False  # its shapes are the ones Ascend's fused DSA operators take
 
+    def __post_init__(self) -> None:
+        if self.family not in _FAMILIES:  # a misspelt family must not build another architecture
+            raise ValueError(f"parity model {self.name}: family {self.family!r}, expected one of {sorted(_FAMILIES)}")
+
     @property
     def config(self) -> dict[str, Any]:
         return copy.deepcopy(_config(self.family, self.sizes))
 
     @property
     def dsa(self) -> bool:
-        return bool(self.config.get("index_topk"))
+        return bool(_config(self.family, self.sizes).get("index_topk"))
 
 
 def _published(path: Path) -> dict[str, Any]:
@@ -75,7 +79,7 @@ def _published(path: Path) -> dict[str, Any]:
 
 @functools.cache
 def _config(family: str, sizes: tuple[tuple[str, Any], ...]) -> dict[str, Any]:
-    return _glm5_2(**dict(sizes)) if family == "glm5_2" else _qwen2_5(**dict(sizes))
+    return _FAMILIES[family](**dict(sizes))
 
 
 def _glm5_2_layers(layers: int) -> dict[str, Any]:
@@ -105,6 +109,9 @@ def _qwen2_5(**sizes: Any) -> dict[str, Any]:
     config["layer_types"] = ["full_attention"] * config["num_hidden_layers"]
     config["max_window_layers"] = config["num_hidden_layers"]
     return config
+
+
+_FAMILIES = {"glm5_2": _glm5_2, "qwen2_5": _qwen2_5}  # family -> the builder of its shrunk config
 
 
 def _sizes(**sizes: Any) -> tuple[tuple[str, Any], ...]:

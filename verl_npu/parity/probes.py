@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import base64
 import contextlib
+import math
 from collections.abc import Iterator
 from typing import Any
 
@@ -48,8 +49,6 @@ def checksum(t: torch.Tensor) -> dict[str, float]:
     On the host, in float64, with exactly rounded sums (``math.fsum``): two platforms that hold the same tensor
     record the same checksum bit for bit, and no device needs float64 arithmetic (Ascend's has little).
     """
-    import math
-
     from verl_npu.parity.models import uniform
 
     x = t.detach().to("cpu", torch.float64).numpy()

@@ -248,8 +248,7 @@ def test_the_torch_npu_wheel_on_pypi_holds_every_recorded_fact(tmp_path):
     from verl_npu.stack import load_stack
 
     version = load_stack().packages["torch-npu"].version
-    wheel = download("torch-npu", lambda name: name.endswith(f"-{version}-cp312-cp312-manylinux_2_28_aarch64.whl"),
-                     tmp_path / "dl")  # fmt: skip
+    wheel = download("torch-npu", lambda name: name.endswith(f"-{version}-cp312-cp312-manylinux_2_28_aarch64.whl"))
     root = tmp_path / "torch-npu"
     wanted = {c.path for c in contracts.ALL if c.component == "torch-npu"}
     with zipfile.ZipFile(wheel) as archive:
@@ -266,7 +265,7 @@ def test_the_vllm_ascend_sdist_on_pypi_holds_every_recorded_fact(tmp_path):
 
     from verl_npu.stack import load_stack
 
-    archive = sdist("vllm-ascend", RELEASE_OF_COMMIT[load_stack().git["vllm-ascend"].commit], tmp_path / "dl")
+    archive = sdist("vllm-ascend", RELEASE_OF_COMMIT[load_stack().git["vllm-ascend"].commit])
     root = tmp_path / "vllm-ascend"
     wanted = {c.path for c in contracts.ALL if c.component == "vllm-ascend"}
     with tarfile.open(archive) as tar:
@@ -592,7 +591,7 @@ def test_the_vllm_sdist_on_pypi_holds_every_recorded_fact(tmp_path):
 
     from verl_npu.stack import load_stack
 
-    archive = sdist("vllm", load_stack().git["vllm"].version, tmp_path / "dl")
+    archive = sdist("vllm", load_stack().git["vllm"].version)
     root = tmp_path / "vllm"
     for path in sorted({c.path for c in contracts.ALL if c.component == "vllm"}):
         extract(archive, path, root)

@@ -58,7 +58,7 @@ def _pinned_source(owner, tmp_path: Path) -> Path:
         (archive,) = (tmp_path / "dl").glob("*.tar.gz")
     else:
         assert owner.commit in RELEASE_OF_COMMIT, f"{owner.name} {owner.commit}: no PyPI release recorded"
-        archive = sdist(owner.name, RELEASE_OF_COMMIT[owner.commit], tmp_path / "dl")
+        archive = sdist(owner.name, RELEASE_OF_COMMIT[owner.commit])
     tree = tmp_path / "src"
     with tarfile.open(archive) as tar:
         tar.extractall(tree, filter="data")

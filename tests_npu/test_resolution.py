@@ -43,7 +43,7 @@ import pytest
 from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
 from packaging.version import Version
-from support.pypi import PYPI, RELEASE_OF_COMMIT, download, extract, sdist
+from support.pypi import PYPI, RELEASE_OF_COMMIT, cache_dir, download, extract, sdist
 
 from verl_npu import contracts
 from verl_npu.contracts.verify import verify
@@ -73,8 +73,7 @@ def plan_sources(tmp_path_factory) -> dict[str, Path]:
     """vllm's common requirements, and vllm-ascend's requirements.txt as pinned and as patched."""
     stack = load_stack()
     root = tmp_path_factory.mktemp("image-pip-plan")
-    cache = root / "downloads"
-    cache.mkdir()
+    cache = cache_dir()
 
     vllm = root / "vllm"
     extract(sdist("vllm", stack.git["vllm"].version, cache), "requirements", vllm)

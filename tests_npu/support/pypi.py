@@ -1,4 +1,5 @@
-"""Files from PyPI for the network-tier tests: downloaded once per test session, checked against PyPI's sha256.
+"""Files from PyPI for the network-tier tests: downloaded once into a cache shared by every test (and by later
+runs on the same machine), checked against PyPI's sha256 whenever they are used, not only when downloaded.
 
 Uses PyPI's JSON simple API (PEP 691) directly: ``pip download`` of an sdist builds its metadata,
 which for vllm-ascend needs torch and CANN.
@@ -8,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import re
 import tarfile
 import urllib.request
@@ -17,6 +19,24 @@ from pathlib import Path
 from packaging.utils import canonicalize_name
 
 PYPI = "https://pypi.org/simple"
+# Where downloads are kept between tests and runs: $VERL_NPU_TEST_DOWNLOADS, else ~/.cache/verl-npu/test-downloads.
+DOWNLOADS_ENV = "VERL_NPU_TEST_DOWNLOADS"
+
+
+def cache_dir() -> Path:
+    """The shared download cache of the network-tier tests."""
+    env = os.environ.get(DOWNLOADS_ENV)
+    return Path(env) if env else Path.home() / ".cache" / "verl-npu" / "test-downloads"
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
 # The PyPI release whose sdist holds the source of a pinned git commit (checked where it matters: the
 # vllm-ascend contracts are verified on that sdist). On a bump, record the new commit's release here.
 RELEASE_OF_COMMIT = {"5cb98caaadeff42b5b62b996e34bb2aaa29d20fd": "0.23.0"}
@@ -31,22 +51,33 @@ def simple_files(project: str) -> list[dict]:
         return json.load(response)["files"]
 
 
-def download(project: str, choose: Callable[[str], bool], cache: Path) -> Path:
-    """The one file of ``project`` for which ``choose(filename)`` holds, in ``cache``; PyPI's sha256 checked."""
+def download(project: str, choose: Callable[[str], bool], cache: Path | None = None) -> Path:
+    """The one file of ``project`` for which ``choose(filename)`` holds, in ``cache`` (default: the shared cache).
+
+    A cached file whose sha256 is not PyPI's (truncated, edited) is downloaded again; a download is written to a
+    temporary name and renamed, so a concurrent or interrupted run never leaves half a file under the real name.
+    """
     files = [f for f in simple_files(project) if choose(f["filename"])]
     assert len(files) == 1, f"{project}: expected one matching file on PyPI, found {[f['filename'] for f in files]}"
+    cache = cache_dir() if cache is None else cache
     cache.mkdir(parents=True, exist_ok=True)
+    wanted = files[0]["hashes"]["sha256"]
     path = cache / files[0]["filename"]
-    if not path.is_file():
-        with urllib.request.urlopen(files[0]["url"], timeout=600) as response:
-            data = response.read()
-        got = hashlib.sha256(data).hexdigest()
-        assert got == files[0]["hashes"]["sha256"], f"{path.name}: sha256 {got} differs from PyPI's"
-        path.write_bytes(data)
+    if path.is_file() and _sha256(path) == wanted:
+        return path
+    partial = path.with_name(f".{path.name}.{os.getpid()}.part")
+    with urllib.request.urlopen(files[0]["url"], timeout=600) as response, partial.open("wb") as out:
+        while block := response.read(1 << 20):
+            out.write(block)
+    got = _sha256(partial)
+    if got != wanted:
+        partial.unlink()
+        raise AssertionError(f"{path.name}: sha256 {got} differs from PyPI's {wanted}")
+    partial.replace(path)
     return path
 
 
-def sdist(project: str, version: str, cache: Path) -> Path:
+def sdist(project: str, version: str, cache: Path | None = None) -> Path:
     return download(project, lambda name: name == f"{project.replace('-', '_')}-{version}.tar.gz", cache)
 
 

@@ -157,6 +157,8 @@ describe_step() { # describe_step N KIND NAME FIELDS
       printf '%2d. git       %-24s %s @ %s  commit %s  [install: %s]' "$n" "$name" "$(field url "$fields")" \
         "$(field ref "$fields")" "$commit" "$(field install "$fields")"
       [[ -n "$(field patches "$fields")" ]] && printf '  + patches %s' "$(field patches "$fields")"
+      [[ "$(field build_isolation "$fields")" == false ]] &&
+        printf '  [no build isolation: its build requirements first, except %s]' "$(field build_requires_skip "$fields" | tr ',' ' ')"
       printf '\n' ;;
     replace)
       printf '%2d. replace   %s' "$n" "$(field requirement "$fields")"
@@ -317,6 +319,44 @@ run_pip_step() {
   pip_install "${index_args[@]}" "$tree"
 }
 
+fetch_pinned_commit() { # fetch_pinned_commit NAME DIR URL REF COMMIT: DIR becomes a checkout of COMMIT from URL
+  local name=$1 dir=$2 url=$3 ref=$4 commit=$5 tag tagged
+  rm -rf "$dir"
+  mkdir -p "$dir"
+  git_nodiscover "$dir" init -q
+  git_nodiscover "$dir" remote add origin "$url"
+  # A version computed by setuptools-scm (vLLM's, vllm-ascend's) comes from the tag on the checked-out
+  # commit; without it the checkout reports 0.1.devN. So when REF is a tag it is fetched too, and it
+  # must be the pinned commit.
+  tag="$(git_nodiscover "$dir" ls-remote origin "refs/tags/$ref")" ||
+    die "git ls-remote $url failed: cannot tell whether '$ref' is a tag"
+  if ! git_nodiscover "$dir" fetch -q --depth 1 origin "$commit"; then
+    log "$name: the server refused a fetch by commit; fetching '$ref' instead"
+    git_nodiscover "$dir" fetch -q origin "+refs/heads/$ref:refs/remotes/origin/$ref" "+refs/tags/$ref:refs/tags/$ref" ||
+      git_nodiscover "$dir" fetch -q origin
+  fi
+  if [[ -n "$tag" ]]; then
+    git_nodiscover "$dir" fetch -q --depth 1 origin "+refs/tags/$ref:refs/tags/$ref"
+    tagged="$(git_nodiscover "$dir" rev-parse "refs/tags/$ref^{commit}")"
+    [[ "$tagged" == "$commit" ]] ||
+      die "$name: tag '$ref' of $url is commit $tagged, but verl_npu/stack/stack.toml pins $commit; review which one is meant and fix [git.$name] commit or ref"
+  fi
+  git_nodiscover "$dir" -c advice.detachedHead=false checkout -q --detach "$commit"
+  echo "$url $ref $commit" >"$dir/.git/verl-npu-fetched"
+}
+
+install_build_requirements() { # install_build_requirements NAME DIR SKIP: for a build without isolation
+  # What an isolated build would install, from the checkout's pyproject.toml [build-system] requires,
+  # except SKIP (comma-separated; the stack provides torch), under the stack's constraints.
+  local name=$1 dir=$2 skip=$3 listed
+  local -a requirements=()
+  listed="$(cd "$REPO_ROOT" && "$BASE_PYTHON" -m verl_npu.stack build-requires "$dir/pyproject.toml" --skip "$skip")" ||
+    die "$name: its build requirements could not be read (message above)"
+  [[ -z "$listed" ]] || mapfile -t requirements <<<"$listed"
+  log "$name: built without build isolation; its build requirements except ${skip//,/ }: ${requirements[*]:-none}"
+  [[ ${#requirements[@]} -eq 0 ]] || pip_install "${requirements[@]}"
+}
+
 run_git_step() {
   local name=$1 fields=$2 url ref commit install version dir head
   url="$(field url "$fields")"
@@ -343,22 +383,13 @@ run_git_step() {
     fi
   fi
 
-  if [[ -d "$dir/.git" ]]; then
+  if [[ -d "$dir/.git" && "$(cat "$dir/.git/verl-npu-fetched" 2>/dev/null)" == "$url $ref $commit" ]]; then
     head="$(git_nodiscover "$dir" rev-parse HEAD 2>/dev/null || true)"
   else
-    head=""
+    head="" # absent, or fetched by an older install.sh that did not fetch the tag
   fi
   if [[ "$head" != "$commit" ]]; then
-    rm -rf "$dir"
-    mkdir -p "$dir"
-    git_nodiscover "$dir" init -q
-    git_nodiscover "$dir" remote add origin "$url"
-    if ! git_nodiscover "$dir" fetch -q --depth 1 origin "$commit"; then
-      log "$name: the server refused a fetch by commit; fetching '$ref' instead"
-      git_nodiscover "$dir" fetch -q origin "+refs/heads/$ref:refs/remotes/origin/$ref" "+refs/tags/$ref:refs/tags/$ref" ||
-        git_nodiscover "$dir" fetch -q origin
-    fi
-    git_nodiscover "$dir" -c advice.detachedHead=false checkout -q --detach "$commit"
+    fetch_pinned_commit "$name" "$dir" "$url" "$ref" "$commit"
     head="$(git_nodiscover "$dir" rev-parse HEAD)"
   fi
   [[ "$head" == "$commit" ]] || die "$name: checked out $head but the pin is $commit"
@@ -377,9 +408,14 @@ run_git_step() {
   # Install exactly the pinned commit plus our patches (an earlier, failed run may have left edits).
   git_nodiscover "$dir" reset -q --hard "$commit"
   [[ ${#patches[@]} -eq 0 ]] || apply_patches "$dir" "${patches[@]}"
+  local -a build_args=()
+  if [[ "$(field build_isolation "$fields")" == false ]]; then
+    install_build_requirements "$name" "$dir" "$(field build_requires_skip "$fields")"
+    build_args=(--no-build-isolation)
+  fi
   case "$install" in
-    pip) pip_install -e "$dir" ;;
-    vllm-empty-device) VLLM_TARGET_DEVICE=empty pip_install -e "$dir" ;;
+    pip) pip_install "${build_args[@]}" -e "$dir" ;;
+    vllm-empty-device) VLLM_TARGET_DEVICE=empty pip_install "${build_args[@]}" -e "$dir" ;;
     vllm-ascend)
       pip_install -r "$dir/requirements.txt"
       COMPILE_CUSTOM_KERNELS=1 pip_install --no-build-isolation --no-deps -e "$dir" ;;
@@ -454,8 +490,10 @@ PYEOF
 }
 
 run_contracts_step() {
-  "$PY" -m verl_npu.cli contracts verify ||
-    die "the installed MindSpeed / vllm-ascend / torch-npu no longer hold the facts verl-npu relies on (table above); review the upstream change against docs/ascend_contracts.md before pinning it"
+  # The composed checks load verl-npu's runtime layer over the installed MindSpeed; before build-manifest.json is
+  # written the layer learns the target from VERL_NPU_TARGET (it checks the installed versions against it).
+  VERL_NPU_TARGET="$TARGET" "$PY" -m verl_npu.cli contracts verify ||
+    die "the installed MindSpeed / vllm-ascend / torch-npu no longer hold the facts verl-npu relies on, alone or composed (table above); review the upstream change against docs/ascend_contracts.md before pinning it"
 }
 
 run_build_manifest_step() {

@@ -377,3 +377,20 @@ def test_the_build_plan_refuses_optimizer_states_verl_refuses(dtype):
     with pytest.raises(BuildPlanError, match=r"optim\.exp_avg_dtype=fp(8|16): .*McoreOptimizerConfig refuses"):
         raw = {"use_precision_aware_optimizer": True, "exp_avg_dtype": dtype}  # a raw dict, as preflight passes
         build_plan(engine(), raw, LLAMA, "ascend")
+
+
+def test_grouped_experts_are_refused_on_ascend_where_mindspeed_refuses_them():
+    """MindSpeed core_r0.18.0 raises NotImplementedError for moe_grouped_gemm when the config is built (contract
+    mindspeed-refuses-moe-grouped-gemm): the plan says so before the job queues; elsewhere it is megatron's switch."""
+    grouped = engine(override_transformer_config={"moe_grouped_gemm": True})
+    with pytest.raises(BuildPlanError, match=r"moe_grouped_gemm=True: MindSpeed core_r0\.18\.0 refuses grouped GEMM"):
+        build_plan(grouped, optim(), GLM5, "ascend")
+    assert build_plan(grouped, optim(), GLM5, "cuda").transformer_overrides["moe_grouped_gemm"] is True
+    assert "moe_grouped_gemm" not in build_plan(engine(), optim(), GLM5, "ascend").transformer_overrides
+
+
+def test_the_glm5_bridge_groups_experts_off_ascend_only():
+    from verl_npu.engine.glm5_config import glm5_config_fields
+
+    assert glm5_config_fields(GLM5, "ascend")["moe_grouped_gemm"] is False
+    assert glm5_config_fields(GLM5, "cuda")["moe_grouped_gemm"] is True

@@ -597,3 +597,26 @@ def test_the_vllm_sdist_on_pypi_holds_every_recorded_fact(tmp_path):
         extract(archive, path, root)
     results = verify(contracts.ALL, {"vllm": root}, components=["vllm"])
     assert results and all(r.ok for r in results), [(r.contract.id, r.detail) for r in results if not r.ok]
+
+
+def test_contracts_verify_reports_the_composed_check_whatever_its_process_did(monkeypatch):
+    """Where MindSpeed is installed, `contracts verify` adds the composed checks' rows (verl_npu.contracts.composed,
+    executed for real over MindSpeed in tests_npu/test_ascend_sim_mindspeed.py): a report becomes rows, a process that
+    dies without one is one failed row with its exit and its last line."""
+    from verl_npu import processes
+    from verl_npu.cli import COMPOSED_WHERE, composed_checks
+    from verl_npu.contracts import composed
+
+    def returning(code: int, stdout: str, stderr: str = ""):
+        return lambda argv, **_: processes.Result(tuple(argv), code, stdout, stderr)
+
+    report = json.dumps([{"id": composed.CP_CONFIG, "ok": False, "detail": "AssertionError: CP"}])
+    monkeypatch.setattr(processes, "run", returning(1, "log line\n" + report))
+    assert composed_checks() == [
+        {"id": composed.CP_CONFIG, "component": "mindspeed", "where": COMPOSED_WHERE,
+         "status": "failed", "detail": "AssertionError: CP"}
+    ]  # fmt: skip
+    crash = "Traceback (most recent call last):\nImportError: no torch_npu"
+    monkeypatch.setattr(processes, "run", returning(1, "", crash))
+    (row,) = composed_checks()
+    assert row["status"] == "failed" and "exited 1" in row["detail"] and "ImportError: no torch_npu" in row["detail"]

@@ -45,6 +45,11 @@ def test_glm5_launch_composes_with_verls_schema(tmp_path):
     rollout = cfg["actor_rollout_ref"]["rollout"]
     assert (rollout["tensor_model_parallel_size"], rollout["data_parallel_size"], rollout["n"]) == (8, 8, 8)
     assert mcore["override_transformer_config"]["num_layers_in_first_pipeline_stage"] == 9
+    # the rollout: one request of prompt + response fits vLLM's KV cache (verl would pass max_position_embeddings,
+    # 1,048,576), and decode-only graphs reach vLLM through engine_kwargs (verl pops compilation_config there)
+    assert rollout["max_model_len"] == 24576 + 8192
+    assert rollout["engine_kwargs"]["vllm"]["compilation_config"] == {"cudagraph_mode": "FULL_DECODE_ONLY"}
+    assert rollout["enforce_eager"] is False
 
 
 def test_a_removed_key_is_rejected_by_the_schema(tmp_path):

@@ -105,3 +105,20 @@ def test_an_export_that_never_sends_one_half_fails_loudly(bridge, monkeypatch):
     monkeypatch.setattr(DeepseekV3Bridge, "export_weights", only_k)
     with pytest.raises(RuntimeError, match=r"kv_b_proj cannot be exported.*decoder\.layers\.0\.': 'V'"):
         list(bridge.export_weights([]))
+
+
+def test_a_single_file_checkpoint_serves_kv_b_proj_to_both_absorbed_halves(bridge, hf_state, tmp_path):
+    """Under absorbed MLA mbridge's loader asks for kv_b_proj twice per layer (for linear_k_up_proj and
+    linear_v_up_proj). mbridge's reader of a checkpoint without an index file counts names and refuses the repeat;
+    the bridge's reader takes each name once (found by the ascend_sim tier, where the parity job's single-file
+    checkpoint stopped MindSpeed's absorbed load)."""
+    from mbridge.core.safetensor_io import SafeTensorIO
+    from safetensors.torch import save_file
+
+    name = "model.layers.0.self_attn.kv_b_proj.weight"
+    save_file({name: hf_state[name].contiguous()}, str(tmp_path / "model.safetensors"))
+    (tmp_path / "config.json").write_text("{}")  # mbridge finds a checkpoint directory by its config.json
+    with pytest.raises(ValueError, match="not found in safetensors files"):
+        SafeTensorIO(str(tmp_path)).load_some_hf_weight([name, name])
+    loaded = bridge._get_safetensor_io(str(tmp_path)).load_some_hf_weight([name, name])
+    assert list(loaded) == [name] and torch.equal(loaded[name], hf_state[name])

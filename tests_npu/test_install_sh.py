@@ -2,19 +2,26 @@
 
 from __future__ import annotations
 
+import importlib.util
+import io
 import json
 import os
 import re
 import shutil
 import subprocess
 import sys
+import tarfile
+from email.parser import HeaderParser
 from pathlib import Path
 
 import pytest
 from support.doctor_env import npu_smi_table
 from support.fake_ascend import BASE_IMAGE_ENV, SOURCED_IN_ORDER, make_fake_ascend, sourced
+from support.pypi import sdist
 
 from verl_npu.stack import load_stack
+from verl_npu.stack.build_requires import build_requirements
+from verl_npu.stack.plan import Step, install_plan
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -57,8 +64,12 @@ def test_a3_dry_run_prints_every_pin_in_order_and_touches_nothing(tmp_path):
     assert (
         line_of("pip       torch==") + 1 == line_of("pip       torchvision==") == line_of("pip       torchaudio==") - 1
     )
-    for patch in stack.git["vllm-ascend"].patches:
-        assert f"+ patches {patch}" in lines[line_of(" vllm-ascend ")]
+    for name in ("vllm-ascend", "mindspeed"):
+        for patch in stack.git[name].patches:
+            assert f"+ patches {patch}" in lines[line_of(f" {name} ")]
+    # vLLM builds against the stack's torch, not in an isolated environment holding its own
+    skipped = " ".join(stack.git["vllm"].build_requires_skip)
+    assert f"[no build isolation: its build requirements first, except {skipped}]" in lines[line_of(" vllm ")]
     replace = line_of("replace   triton-ascend==3.2.2")
     assert "uninstall triton if installed" in lines[replace] and "(index https://triton-ascend" in lines[replace]
     installs = [i for i, line in enumerate(lines) if re.match(r"\s*\d+\. (git|pip) ", line)]
@@ -242,10 +253,23 @@ def test_shell_scripts_are_shellcheck_clean():
     assert done.returncode == 0, done.stdout + done.stderr
 
 
-@pytest.mark.skipif(
+MADE_BY_INSTALL_SH = pytest.mark.skipif(
     not (Path(sys.prefix) / "build-manifest.json").is_file(),
     reason="this interpreter's environment was not made by install.sh (no build-manifest.json in sys.prefix)",
 )
+
+
+@MADE_BY_INSTALL_SH
+def test_the_installed_environment_has_no_broken_requirements():
+    """Every installed distribution's requirements hold (`pip check`): install.sh's steps run one pip install
+    after another, and a step that moves a shared dependency past another's bound shows here."""
+    done = subprocess.run(
+        [sys.executable, "-m", "pip", "check"], capture_output=True, text=True, timeout=300, check=False
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+
+
+@MADE_BY_INSTALL_SH
 def test_second_install_changes_nothing():
     prefix = Path(sys.prefix)
     manifest = prefix / "build-manifest.json"
@@ -364,6 +388,13 @@ def test_replace_step_gives_the_shared_import_directory_back_to_its_package(tmp_
     assert (site / "__init__.py").read_text() == "WHO = 'owner'\n"
 
 
+# install.sh's git step and what it calls (pip_install and installed_version are the test's own).
+GIT_STEP_FUNCTIONS = (
+    "log", "warn", "die", "field", "same_version", "git_nodiscover", "record_resolved", "apply_patches",
+    "fetch_pinned_commit", "install_build_requirements", "run_git_step",
+)  # fmt: skip
+
+
 def test_git_step_applies_its_patches_before_installing_and_only_once(tmp_path):
     """A git component's patches (vllm-ascend's requirements.txt) are applied to the pinned checkout
     with `git apply --check` first, before `pip install -r requirements.txt`; a second run finds the
@@ -388,9 +419,7 @@ def test_git_step_applies_its_patches_before_installing_and_only_once(tmp_path):
     script.write_text(
         "set -Eeuo pipefail\n"
         f"REPO_ROOT={repo_root}; SRC_DIR={tmp_path / 'src'}; RESOLVED_FILE={tmp_path / 'resolved'}; STEP=test\n"
-        + _install_sh_functions(
-            "log", "warn", "die", "field", "git_nodiscover", "record_resolved", "apply_patches", "run_git_step"
-        )
+        + _install_sh_functions(*GIT_STEP_FUNCTIONS)
         + f'\npip_install() {{ echo "$*" >>{log}; if [[ $1 == -r ]]; then cp "$2" {seen}; fi; }}\n'
         + f'run_git_step comp "url={upstream}|ref=main|commit={commit}|install=vllm-ascend'
         + '|patches=patches/comp/0001-drop-transformers.patch"\n'
@@ -414,3 +443,311 @@ def test_git_step_applies_its_patches_before_installing_and_only_once(tmp_path):
     changed = step()
     assert "applied patches/comp/0001-drop-transformers.patch" in changed and "already" not in changed
     assert len(log.read_text().splitlines()) == 4
+
+
+# --- the git fetch, against local mirrors of each upstream ------------------------------------------
+
+GIT = ["git", "-c", "user.name=t", "-c", "user.email=t@t", "-c", "init.defaultBranch=main", "-C"]
+# How each upstream publishes the manifest's ref: a release tag, or a branch that moves on after the pin.
+UPSTREAM_REF_KIND = {
+    "vllm": "tag", "vllm-ascend": "tag", "megatron-lm": "tag",
+    "megatron-adaptor": "branch", "transformer-engine-npu": "branch", "mindspeed": "branch",
+}  # fmt: skip
+
+
+# The shape of vLLM's [build-system]: its own torch pin among the build tools.
+PLACEHOLDER_PYPROJECT = """[build-system]
+requires = ["cmake>=3.26.1", "ninja", "setuptools>=77.0.3,<81.0.0", "setuptools-scm>=8.0", "torch == 2.11.0", "wheel"]
+build-backend = "setuptools.build_meta"
+"""
+
+
+def _git(repo: Path, *args: str) -> str:
+    return subprocess.run([*GIT, str(repo), *args], capture_output=True, text=True, check=True).stdout.strip()
+
+
+def _mirror(path: Path, ref: str, kind: str, tree: Path | None = None) -> str:
+    """A local repository standing in for an upstream: ``tree`` (moved there) or a placeholder pyproject.toml
+    committed, ``ref`` on that commit as upstream publishes it (an annotated tag, or a branch), then a later
+    commit on top, as upstream's history goes on after a release. Returns the commit ``ref`` names (the pin)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    if tree is None:
+        path.mkdir()
+        (path / "pyproject.toml").write_text(PLACEHOLDER_PYPROJECT)
+    else:
+        tree.rename(path)
+    _git(path, "init", "-q")
+    if kind == "branch":
+        _git(path, "checkout", "-q", "-b", ref)
+    _git(path, "add", "-A")
+    _git(path, "commit", "-qm", "the pinned commit")
+    pinned = _git(path, "rev-parse", "HEAD")
+    if kind == "tag":
+        _git(path, "tag", "-a", ref, "-m", f"release {ref}")
+    (path / "LATER").write_text("after the pin\n")
+    _git(path, "add", "LATER")
+    _git(path, "commit", "-qm", "later work")
+    return pinned
+
+
+def _mirrors_env(mirrors: dict[str, Path]) -> dict[str, str]:
+    """git configuration (environment only) that sends each upstream URL to its local mirror over file://,
+    git's real transport (shallow fetches included), as `url.<base>.insteadOf` does."""
+    env = {"GIT_CONFIG_COUNT": str(len(mirrors))}
+    for i, (url, mirror) in enumerate(mirrors.items()):
+        env[f"GIT_CONFIG_KEY_{i}"] = f"url.{mirror.as_uri()}.insteadOf"
+        env[f"GIT_CONFIG_VALUE_{i}"] = url
+    return env
+
+
+def _git_step_script(tmp_path: Path, name: str, fields: str, fakes: str) -> Path:
+    """install.sh's git step for one component (the plan line's fields), with ``fakes`` defining pip_install
+    and installed_version: they stand in for pip acting on the image's Python."""
+    script = tmp_path / f"git-step-{name}.sh"
+    script.write_text(
+        "set -Eeuo pipefail\n"
+        f"REPO_ROOT={REPO}; BASE_PYTHON={sys.executable}; STEP=test\n"
+        f"SRC_DIR={tmp_path / 'src'}; RESOLVED_FILE={tmp_path / 'resolved'}\n"
+        + _install_sh_functions(*GIT_STEP_FUNCTIONS)
+        + "\n"
+        + fakes
+        + f"\nrun_git_step {name} '{fields}'\n"
+    )
+    return script
+
+
+def _plan_fields(name: str, target: str = "a3", **override: str) -> str:
+    """The fields of the plan's git step for ``name`` as install.sh reads them, with ``override`` applied."""
+    (step,) = [s for s in install_plan(load_stack(), target) if s.kind == "git" and s.name == name]
+    return Step(step.kind, step.name, {**step.fields, **override}).line().split("|", 2)[2]
+
+
+def test_git_step_fetches_each_component_at_its_pin_with_its_tag(tmp_path):
+    """Every git component of the image, fetched by install.sh's git step from a mirror of its upstream,
+    is checked out at the pin; where the manifest's ref is a tag, the tag comes along and names that
+    commit (setuptools-scm computes vLLM's and vllm-ascend's versions from it: a checkout without it
+    reports 0.1.devN). An UNVERIFIED component gets its ref's commit, resolved at build time."""
+    stack = load_stack()
+    components = stack.git_for("a3")
+    assert set(UPSTREAM_REF_KIND) == {c.name for c in components}, "add the new component to UPSTREAM_REF_KIND"
+    mirrors, pins = {}, {}
+    for comp in components:
+        mirror = tmp_path / "upstream" / comp.name
+        pins[comp.name] = _mirror(mirror, comp.ref, UPSTREAM_REF_KIND[comp.name])
+        mirrors[comp.url] = mirror
+    env = {**os.environ, **_mirrors_env(mirrors)}
+    # What is checked here is the checkout; pip is not run, and the install reports the pinned versions.
+    versions = tmp_path / "versions"
+    versions.write_text("".join(f"{dist} {version}\n" for dist, version in stack.expected_versions("a3").items()))
+    pip_log = tmp_path / "pip.log"
+    fakes = f'pip_install() {{ echo "VLLM_TARGET_DEVICE=${{VLLM_TARGET_DEVICE:-}} $*" >>{pip_log}; }}\n'
+    fakes += 'installed_version() { sed -n "s/^$1 //p" ' + f"{versions}; }}\n"
+
+    for comp in components:
+        mirror = mirrors[comp.url]
+        # The placeholder tree has nothing for a patch to apply to (test_patches.py applies them to the real sources).
+        if comp.verified:
+            fields = _plan_fields(comp.name, commit=pins[comp.name], patches="")
+            expected = pins[comp.name]
+        else:
+            fields = _plan_fields(comp.name, patches="")
+            ref = f"refs/heads/{comp.ref}" if UPSTREAM_REF_KIND[comp.name] == "branch" else f"{comp.ref}^{{commit}}"
+            expected = _git(mirror, "rev-parse", ref)
+        script = _git_step_script(tmp_path, comp.name, fields, fakes)
+        pip_log.write_text("")
+        done = subprocess.run(["bash", str(script)], env=env, capture_output=True, text=True, check=False)
+        assert done.returncode == 0, f"{comp.name}: {done.stdout}{done.stderr}"
+        checkout = tmp_path / "src" / comp.name
+        if comp.name == "vllm":
+            # vLLM's build requirements but its torch (and the compilers an empty-device build never runs)
+            # first, then vLLM itself without an isolated build environment that would fetch torch 2.11.
+            assert pip_log.read_text().splitlines() == [
+                "VLLM_TARGET_DEVICE= setuptools>=77.0.3,<81.0.0 setuptools-scm>=8.0 wheel",
+                f"VLLM_TARGET_DEVICE=empty --no-build-isolation -e {checkout}",
+            ]
+        assert _git(checkout, "rev-parse", "HEAD") == expected, comp.name
+        if UPSTREAM_REF_KIND[comp.name] == "tag":
+            assert _git(checkout, "describe", "--tags", "--exact-match") == comp.ref, comp.name
+            assert _git(checkout, "rev-parse", f"{comp.ref}^{{commit}}") == expected
+        else:
+            assert _git(checkout, "tag") == "", f"{comp.name}: no tag was asked for"
+
+
+# One PEP 517 hook of a source tree's build backend, run as pip runs it (in the tree, one process per hook;
+# in this environment: what --no-build-isolation means): `HOOK DIRECTORY [METADATA]`, printing its answer.
+BUILD_HOOK = """
+import importlib, sys, tomllib
+system = tomllib.load(open("pyproject.toml", "rb"))["build-system"]
+backend = importlib.import_module(system["build-backend"])
+hook, directory, *metadata = sys.argv[1:]
+print(getattr(backend, hook)(directory, **({"metadata_directory": metadata[0]} if metadata else {})))
+"""
+
+
+@pytest.mark.network
+def test_vllm_from_its_tagged_source_builds_as_the_manifest_version_with_the_stack_torch(tmp_path):
+    """vLLM's real source (the PyPI sdist of the pin, committed and tagged as upstream tags it) through
+    install.sh's git step: the fetch brings the tag; vLLM's build requirements, less torch and the compilers,
+    are installed for real under the stack's constraints (into a directory standing in for the image's
+    site-packages); then vLLM's own build backend runs as pip runs it with --no-build-isolation and
+    VLLM_TARGET_DEVICE=empty, against this venv's torch (the stack's), with git alone on PATH. It computes
+    vLLM's version from the tag (setuptools-scm, vLLM's pyproject config): 0.23.0 in `vllm.__version__`,
+    0.23.0+empty in the metadata, which install.sh's own version check accepts. No torch was installed."""
+    stack = load_stack()
+    comp = stack.git["vllm"]
+    source = tmp_path / "sdist"
+    with tarfile.open(sdist("vllm", comp.version)) as tar:
+        tar.extractall(source, filter="data")
+    (tree,) = source.iterdir()
+    # What the sdist adds to the repository's files: its metadata and the version file setuptools-scm wrote.
+    shutil.rmtree(tree / "vllm.egg-info")
+    (tree / "PKG-INFO").unlink()
+    (tree / "vllm" / "_version.py").unlink()
+    pinned = _mirror(tmp_path / "upstream" / "vllm", comp.ref, UPSTREAM_REF_KIND["vllm"], tree)
+
+    site, log = tmp_path / "image-site-packages", tmp_path / "pip.log"
+    metadata, wheels, tools = tmp_path / "metadata", tmp_path / "wheels", tmp_path / "tools"
+    for directory in (metadata, wheels, tools):
+        directory.mkdir()
+    (tools / "git").symlink_to(shutil.which("git"))  # the build's PATH: git alone (no cmake, ninja nor cargo)
+    constraints = tmp_path / "constraints.txt"
+    constraints.write_text("\n".join(stack.constraints("a3")) + "\n")
+    # pip_install stands in for pip acting on the image's Python: the build requirements really installed
+    # (into `site`), and for the editable install, pip's build without isolation (metadata, then the wheel).
+    fakes = f"""
+pip_install() {{
+  echo "VLLM_TARGET_DEVICE=${{VLLM_TARGET_DEVICE:-}} $*" >>{log}
+  if [[ " $* " != *" -e "* ]]; then
+    {sys.executable} -m pip install --quiet --disable-pip-version-check --target {site} -c {constraints} "$@"
+  elif [[ " $* " != *" --no-build-isolation "* ]]; then
+    echo "pip would build vLLM in an isolated environment with its [build-system] torch" >&2; return 1
+  else
+    local hook=(env PATH={tools} PYTHONPATH={site} {sys.executable} -c '{BUILD_HOOK}') made
+    made="$(cd "${{!#}}" && "${{hook[@]}}" prepare_metadata_for_build_editable {metadata} | tail -n 1)"
+    (cd "${{!#}}" && "${{hook[@]}}" build_editable {wheels} "{metadata}/$made")
+  fi
+}}
+installed_version() {{ [[ $1 == vllm ]] && sed -n 's/^Version: //p' {metadata}/*.dist-info/METADATA; }}
+"""
+    script = _git_step_script(tmp_path, "vllm", _plan_fields("vllm", commit=pinned), fakes)
+    env = {**os.environ, **_mirrors_env({comp.url: tmp_path / "upstream" / "vllm"})}
+    env.pop("VLLM_VERSION_OVERRIDE", None)
+    done = subprocess.run(["bash", str(script)], env=env, capture_output=True, text=True, timeout=900, check=False)
+    assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
+
+    (dist_info,) = metadata.glob("*.dist-info")
+    version = HeaderParser().parse(io.StringIO((dist_info / "METADATA").read_text()))["Version"]
+    assert version == f"{comp.version}+empty", version  # VLLM_TARGET_DEVICE=empty's local label, as vLLM names it
+    assert [w.name.split("-")[1] for w in wheels.glob("vllm-*.editable-*.whl")] == [version]
+    checkout = tmp_path / "src" / "vllm"
+    # What `vllm.__version__` reads at run time (vllm/version.py imports it): the release itself, which
+    # vllm-ascend's vllm_version_is("0.23.0") compares equal (as packaging Versions, so a local label would not).
+    spec = importlib.util.spec_from_file_location("built_vllm_version", checkout / "vllm" / "_version.py")
+    written = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(written)
+    assert written.__version__ == comp.version
+    requirements = build_requirements(checkout / "pyproject.toml", comp.build_requires_skip)
+    assert log.read_text().splitlines() == [
+        "VLLM_TARGET_DEVICE= " + " ".join(requirements),
+        f"VLLM_TARGET_DEVICE=empty --no-build-isolation -e {checkout}",
+    ]
+    assert any(r.startswith("setuptools-scm") for r in requirements)
+    assert not list(site.glob("torch*")), "a torch was installed for vLLM's build"
+
+
+def _vllm_step(tmp_path: Path, commit: str) -> tuple[Path, dict[str, str], Path]:
+    """install.sh's vllm step against a placeholder mirror (tag at ``_mirror``'s pin) and a recording pip."""
+    comp = load_stack().git["vllm"]
+    log = tmp_path / "pip.log"
+    log.touch()
+    fakes = f'pip_install() {{ echo "$*" >>{log}; }}\ninstalled_version() {{ echo {comp.version}; }}\n'
+    script = _git_step_script(tmp_path, "vllm", _plan_fields("vllm", commit=commit), fakes)
+    return script, {**os.environ, **_mirrors_env({comp.url: tmp_path / "upstream" / "vllm"})}, log
+
+
+def test_a_tag_that_is_not_the_pinned_commit_stops_the_git_step(tmp_path):
+    """The manifest's ref is a tag upstream, and the tag names another commit than the pin: one of the two is
+    wrong, and the step stops naming both before anything is installed."""
+    comp = load_stack().git["vllm"]
+    tagged = _mirror(tmp_path / "upstream" / "vllm", comp.ref, "tag")
+    later = _git(tmp_path / "upstream" / "vllm", "rev-parse", "HEAD")
+    script, env, log = _vllm_step(tmp_path, later)
+    done = subprocess.run(["bash", str(script)], env=env, capture_output=True, text=True, check=False)
+    assert done.returncode != 0
+    assert (
+        f"vllm: tag '{comp.ref}' of {comp.url} is commit {tagged}, but verl_npu/stack/stack.toml pins {later}"
+        in done.stderr
+    ), done.stderr
+    assert log.read_text() == ""
+
+
+def test_git_step_gets_the_tag_from_a_server_that_refuses_a_fetch_by_commit(tmp_path):
+    """Git's protocol v0 refuses to send a commit no ref advertises: the step fetches the ref instead, and
+    the checkout is still the pin with its tag."""
+    ref = load_stack().git["vllm"].ref
+    pinned = _mirror(tmp_path / "upstream" / "vllm", ref, "tag")
+    script, env, log = _vllm_step(tmp_path, pinned)
+    assert log.read_text() == ""
+    count = int(env["GIT_CONFIG_COUNT"])
+    env.update({"GIT_CONFIG_COUNT": str(count + 1), f"GIT_CONFIG_KEY_{count}": "protocol.version"})
+    env[f"GIT_CONFIG_VALUE_{count}"] = "0"
+    done = subprocess.run(["bash", str(script)], env=env, capture_output=True, text=True, check=False)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert f"the server refused a fetch by commit; fetching '{ref}' instead" in done.stdout
+    checkout = tmp_path / "src" / "vllm"
+    assert _git(checkout, "rev-parse", "HEAD") == pinned
+    assert _git(checkout, "describe", "--tags", "--exact-match") == ref
+    assert len(log.read_text().splitlines()) == 2  # then installed: its build requirements, then vLLM
+
+
+def test_git_step_fetches_again_a_checkout_made_without_its_tag(tmp_path):
+    """A checkout at the pinned commit that an older install.sh fetched without the tag (vLLM then installed as
+    0.1.devN) is fetched again, tag included, and reinstalled; after that a run changes nothing."""
+    pinned = _mirror(tmp_path / "upstream" / "vllm", load_stack().git["vllm"].ref, "tag")
+    script, env, log = _vllm_step(tmp_path, pinned)
+
+    def step() -> str:
+        done = subprocess.run(["bash", str(script)], env=env, capture_output=True, text=True, check=False)
+        assert done.returncode == 0, done.stdout + done.stderr
+        return done.stdout
+
+    step()
+    checkout = tmp_path / "src" / "vllm"
+    assert len(log.read_text().splitlines()) == 2  # its build requirements, then vLLM
+    # what the older install.sh left: the commit and the install stamp, no tag, no record of the fetch
+    _git(checkout, "tag", "-d", load_stack().git["vllm"].ref)
+    (checkout / ".git" / "verl-npu-fetched").unlink()
+    step()
+    assert _git(checkout, "describe", "--tags", "--exact-match") == load_stack().git["vllm"].ref
+    assert len(log.read_text().splitlines()) == 4
+    assert f"vllm {pinned} already installed" in step()
+    assert len(log.read_text().splitlines()) == 4
+
+
+@pytest.mark.parametrize(
+    ("skip", "pyproject", "expected"),
+    [
+        ("torch,Ninja,CMAKE", PLACEHOLDER_PYPROJECT, ["setuptools>=77.0.3,<81.0.0", "setuptools-scm>=8.0", "wheel"]),
+        ("torch,Setuptools_SCM", PLACEHOLDER_PYPROJECT,
+         ["cmake>=3.26.1", "ninja", "setuptools>=77.0.3,<81.0.0", "wheel"]),
+        ("torch,jinja2", PLACEHOLDER_PYPROJECT,
+         "[build-system] requires does not list jinja2, which the manifest's build_requires_skip leaves out"),
+        ("", "[project]\nname = 'x'\n", "[build-system] key 'requires' is missing or not a list of strings"),
+        ("", "[build-system\n", "not a valid TOML file"),
+        ("", None, "cannot read it (No such file or directory); a build without isolation needs its [build-system]"),
+    ],
+)  # fmt: skip
+def test_build_requires_lists_the_checkouts_build_system_or_says_what_is_wrong(tmp_path, skip, pyproject, expected):
+    """What install.sh reads for a build without isolation: `python -m verl_npu.stack build-requires`."""
+    path = tmp_path / "pyproject.toml"
+    if pyproject is not None:
+        path.write_text(pyproject)
+    done = subprocess.run(
+        [sys.executable, "-m", "verl_npu.stack", "build-requires", str(path), "--skip", skip],
+        capture_output=True, text=True, cwd=REPO, timeout=60, check=False,
+    )  # fmt: skip
+    if isinstance(expected, list):
+        assert (done.returncode, done.stdout.splitlines()) == (0, expected), done.stderr
+    else:
+        assert done.returncode == 2 and done.stderr.startswith(f"error: {path}: "), done.stderr
+        assert expected in done.stderr

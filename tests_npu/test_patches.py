@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 import tarfile
@@ -10,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from verl_npu import upstream
 from verl_npu.stack import load_stack
 
 REPO = Path(__file__).resolve().parent.parent
@@ -46,9 +48,20 @@ def test_there_are_patches_and_each_is_declared_and_documented():
 
 
 def _pinned_source(owner, tmp_path: Path) -> Path:
-    """The pinned source tree a patch applies to: the package's sdist, or the PyPI sdist of the git pin."""
+    """The pinned source tree a patch applies to: the package's sdist, the PyPI sdist of the git pin, or for
+    MindSpeed (gitcode only) its pinned source where verl_npu/upstream.py finds it, copied."""
     from support.pypi import RELEASE_OF_COMMIT, sdist
 
+    if owner.name == "mindspeed":
+        source = upstream.locate_mindspeed()
+        if source is None:
+            pytest.skip(
+                f"no MindSpeed source: not at {upstream.default_archive()} and ${upstream.MINDSPEED_SOURCE_ENV} "
+                "is unset (a MindSpeed checkout or tarball at the pinned commit)"
+            )
+        root = tmp_path / "src"
+        shutil.copytree(upstream.unpacked(source, tmp_path / "unpacked"), root, symlinks=True)
+        return root
     if hasattr(owner, "requirement"):
         subprocess.run(
             [sys.executable, "-m", "pip", "download", "--quiet", "--no-deps", "--no-binary", ":all:",

@@ -232,3 +232,16 @@ def test_revert_of_a_pending_patch_cancels_its_hook(fake_pkg):
 def test_malformed_patch_declarations_are_rejected(fake_pkg, field, value, message):
     with pytest.raises(PatchSpecError, match=message):
         make_patch(**{field: value})
+
+
+def test_a_patch_that_upstream_code_assigned_over_is_reported_displaced(fake_pkg):
+    """MindSpeed's repatch assigns some DSA methods directly: the record still says applied, displaced() tells."""
+    target = importlib.import_module("vnpu_fake.target")
+    engine = PatchEngine("cpu", allow_mismatch=False)
+    patch = make_patch()
+    engine.apply(patch)
+    assert engine.displaced() == []
+    target.greet = lambda name: "assigned " + name  # what upstream code does after our patch
+    assert engine.displaced() == ["greet-louder"]
+    assert engine.record(patch.id).status == APPLIED
+    engine.revert(patch)

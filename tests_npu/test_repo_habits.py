@@ -114,7 +114,13 @@ def test_nothing_outside_verl_npu_testing_imports_it():
 
 
 # Scripts a test starts in a child process, which import their test module and tests_npu/support.
-SUBPROCESS_SCRIPTS = {"tests_npu/support/index_share_parallel.py", "tests_npu/test_ops_dsa_attention_mqa_triton.py"}
+SUBPROCESS_SCRIPTS = {
+    "tests_npu/support/index_share_parallel.py",
+    "tests_npu/test_ops_dsa_attention_mqa_triton.py",
+    # the ascend_sim scenarios' own process: `support` for the runner, the pinned MindSpeed source for the harness
+    "tests_npu/support/ascend_sim_run.py",
+    "tests_npu/support/ascend_sim.py",
+}
 
 
 def test_tests_and_benchmarks_reach_verl_npu_testing_by_import_not_by_sys_path():

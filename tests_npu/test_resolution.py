@@ -6,9 +6,16 @@ manifest's constraints (install.sh passes them to every pip install):
 - megatron-core: the PyPI wheel of the Megatron-LM pin's version stands in for the git install;
 - vllm's install requirements with VLLM_TARGET_DEVICE=empty (its setup.py then reads
   requirements/common.txt), taken from the vllm sdist on PyPI;
+- vllm's build requirements as install.sh installs them for its build without isolation (its
+  pyproject's [build-system] requires less the manifest's build_requires_skip: no torch 2.11), taken
+  from the same sdist: they land in the image's environment, beside everything else;
 - vllm-ascend's requirements.txt at the pinned commit, taken from the PyPI sdist of that release (its
   sha256 must equal the one recorded below for the commit), with the manifest's patches applied the
-  way install.sh applies them (`git apply --check`, then `git apply`).
+  way install.sh applies them (`git apply --check`, then `git apply`);
+- MindSpeed's requirements.txt (its setup.py's install requirements) at the pinned commit, with the
+  manifest's patches applied. MindSpeed is on gitcode only: its source comes from $VERL_NPU_MINDSPEED_SRC
+  or ../shared/upstream/ beside the checkout (verl_npu/upstream.py); where there is none, the MindSpeed
+  part is skipped, naming both.
 
 The resolver is uv (`uv pip compile --python-platform`, pinned in the dev extras): it evaluates markers
 and wheel tags for the target architecture and trusts static sdist metadata instead of building it,
@@ -21,8 +28,9 @@ Not in the resolution, checked against it instead:
   torch, torchvision and torchaudio (CUDA builds, same requirements) stand in for the CPU builds.
 - triton-ascend: its cp312 wheels are only on the triton-ascend index; what vllm-ascend requires of it
   (and of torch_npu) must hold for the manifest's pin.
-Not covered: MegatronAdaptor, TransformerEngineNPU and MindSpeed (git only, not on PyPI) and the build
-requirements of vllm and vllm-ascend.
+Not covered: MegatronAdaptor and TransformerEngineNPU (gitcode only, and no pinned source of them is
+kept), and vllm-ascend's build requirements (install.sh builds it without isolation after installing
+its requirements.txt, which lists them).
 """
 
 from __future__ import annotations
@@ -45,9 +53,10 @@ from packaging.utils import canonicalize_name
 from packaging.version import Version
 from support.pypi import PYPI, RELEASE_OF_COMMIT, cache_dir, download, extract, sdist
 
-from verl_npu import contracts
+from verl_npu import contracts, upstream
 from verl_npu.contracts.verify import verify
 from verl_npu.stack import load_stack
+from verl_npu.stack.build_requires import build_requirements
 from verl_npu.stack.manifest import REPO_ROOT, Stack
 from verl_npu.stack.plan import install_plan
 
@@ -68,15 +77,39 @@ def _apply_patches(tree: Path, patches: tuple[str, ...]) -> None:
             assert done.returncode == 0, f"{patch} does not apply to the pinned source: {done.stderr}"
 
 
+def _mindspeed_requirements(stack: Stack, root: Path) -> tuple[Path, Path] | str:
+    """MindSpeed's requirements.txt at the pin, as pinned and as patched; or why there is no MindSpeed source."""
+    source = upstream.locate_mindspeed(stack=stack)
+    if source is None:
+        return (
+            f"no MindSpeed source: not at {upstream.default_archive(stack)} and ${upstream.MINDSPEED_SOURCE_ENV} "
+            "is unset (a MindSpeed checkout or tarball at the pinned commit)"
+        )
+    tree = upstream.unpacked(source, root / "mindspeed-source")
+    pinned, patched = root / "mindspeed-pinned", root / "mindspeed-patched"
+    for copy in (pinned, patched):
+        copy.mkdir()
+        shutil.copyfile(tree / "requirements.txt", copy / "requirements.txt")
+    _apply_patches(patched, stack.git["mindspeed"].patches)
+    return pinned / "requirements.txt", patched / "requirements.txt"
+
+
 @pytest.fixture(scope="session")
-def plan_sources(tmp_path_factory) -> dict[str, Path]:
-    """vllm's common requirements, and vllm-ascend's requirements.txt as pinned and as patched."""
+def plan_sources(tmp_path_factory) -> dict[str, Path | str]:
+    """vllm's common and build requirements, and the requirements.txt of vllm-ascend and of MindSpeed, each as
+    pinned and as patched (for MindSpeed: why it is missing, where its source is not here)."""
     stack = load_stack()
     root = tmp_path_factory.mktemp("image-pip-plan")
     cache = cache_dir()
 
     vllm = root / "vllm"
-    extract(sdist("vllm", stack.git["vllm"].version, cache), "requirements", vllm)
+    vllm_sdist = sdist("vllm", stack.git["vllm"].version, cache)
+    extract(vllm_sdist, "requirements", vllm)
+    extract(vllm_sdist, "pyproject.toml", vllm)
+    vllm_build = root / "vllm-build-requirements.txt"
+    vllm_build.write_text(
+        "\n".join(build_requirements(vllm / "pyproject.toml", stack.git["vllm"].build_requires_skip)) + "\n"
+    )
 
     comp = stack.git["vllm-ascend"]
     assert comp.commit in RELEASE_OF_COMMIT, (
@@ -91,13 +124,20 @@ def plan_sources(tmp_path_factory) -> dict[str, Path]:
     (result,) = verify([contracts.by_id("vllm-ascend-requirements")], {"vllm-ascend": pinned})
     assert result.ok, f"vllm_ascend-{release}.tar.gz's requirements.txt is not the pinned commit's: {result.detail}"
     _apply_patches(patched, comp.patches)
-    return {
+    sources = {
         "root": root,
         "cache": cache,
         "vllm": vllm / "requirements" / "common.txt",
+        "vllm-build": vllm_build,
         "vllm-ascend": patched / "requirements.txt",
         "vllm-ascend-unpatched": pinned / "requirements.txt",
     }
+    mindspeed = _mindspeed_requirements(stack, root)
+    if isinstance(mindspeed, str):
+        sources["mindspeed-missing"] = mindspeed
+    else:
+        sources["mindspeed-unpatched"], sources["mindspeed"] = mindspeed
+    return sources
 
 
 # --- the resolution -------------------------------------------------------------------------------
@@ -145,16 +185,21 @@ def uv_compile(
     )  # fmt: skip
 
 
-def resolve_image_plan(sources: dict[str, Path], target: str, arch: str, *, patched: bool = True):
+def resolve_image_plan(sources: dict, target: str, arch: str, *, unpatched: str | None = None):
+    """The image's pip plan (MindSpeed's part where its source is here); ``unpatched``: "vllm-ascend" or
+    "mindspeed", whose requirements then go in as pinned, without our patches."""
     stack = load_stack()
     text = "\n".join(our_requirements(stack, target)) + "\n"
     ours = sources["root"] / f"ours-{hashlib.sha256(text.encode()).hexdigest()[:12]}.txt"  # a2 and a3 share one
     ours.write_text(text)
-    vllm_ascend = sources["vllm-ascend" if patched else "vllm-ascend-unpatched"]
+    inputs = [ours, sources["vllm"], sources["vllm-build"]]
+    for name in ("vllm-ascend", "mindspeed"):
+        if name in sources:
+            inputs.append(sources[f"{name}-unpatched" if unpatched == name else name])
     return uv_compile(
         arch,
         sources["root"],
-        (ours, sources["vllm"], vllm_ascend),
+        tuple(inputs),
         tuple(stack.constraints(target)),
         tuple(sorted(_not_on_pypi(stack, target))),
     )
@@ -227,9 +272,15 @@ def test_image_pip_plan_resolves(plan_sources, target, arch):
         )
         assert plan.index(("pip", name)) < vllm_step, f"{name} must be installed before vllm (from the CPU index)"
 
+    # vLLM's build requirements resolve with the stack's torch: nothing asks for the torch 2.11 vLLM builds with.
+    assert chosen["torch"] == stack.packages["torch"].version
+    for req in _requirements_file(plan_sources["vllm-build"]):
+        assert canonicalize_name(req.name) != "torch" and req.specifier.contains(chosen[canonicalize_name(req.name)])
+
     # What is not on PyPI (torch_npu, triton-ascend) must satisfy every requirement on it.
     not_on_pypi = _not_on_pypi(stack, target)
-    for path in (plan_sources["vllm"], plan_sources["vllm-ascend"]):
+    inputs = ("vllm", "vllm-build", "vllm-ascend", "mindspeed")
+    for path in (plan_sources[name] for name in inputs if name in plan_sources):
         for req in _requirements_file(path):
             name = canonicalize_name(req.name)
             if name in not_on_pypi:
@@ -267,12 +318,27 @@ def test_image_pip_plan_resolves(plan_sources, target, arch):
         assert dist in steps[replace[0]].fields["remove"].split(","), steps[replace[0]].line()
         assert replace[0] > plan.index(("git", "vllm-ascend")), "the replace step must follow vllm-ascend's install"
 
+    if "mindspeed-missing" in plan_sources:
+        pytest.skip(f"resolved without MindSpeed's requirements: {plan_sources['mindspeed-missing']}")
+
 
 @pytest.mark.network
 def test_pinned_vllm_ascend_requirements_conflict_with_the_stack_without_our_patch(plan_sources):
     """Why patches/vllm-ascend/ exists: unpatched, the pinned requirements.txt cannot resolve with the
     stack (it pins transformers==5.5.4; the stack pins 5.10.4, as verl 0.9.1 requires <5.11,>=5.5.3).
     When this starts to resolve, the transformers part of the patch is no longer needed."""
-    done = resolve_image_plan(plan_sources, "a3", "aarch64", patched=False)
+    done = resolve_image_plan(plan_sources, "a3", "aarch64", unpatched="vllm-ascend")
     assert done.returncode != 0, "the unpatched vllm-ascend requirements resolve: drop the transformers hunk"
     assert "transformers==5.5.4" in done.stderr and "transformers==5.10.4" in done.stderr, done.stderr[-3000:]
+
+
+@pytest.mark.network
+def test_pinned_mindspeed_requirements_conflict_with_the_stack_without_our_patch(plan_sources):
+    """Why patches/mindspeed/ exists: MindSpeed's pinned requirements.txt caps numpy at 1.26.0 and verl 0.9.1
+    requires numpy 2, so the image's pip plan has no resolution (installed step by step, numpy went down at
+    the MindSpeed step and up past mistral-common's bound at verl's). When this resolves, drop the patch."""
+    if "mindspeed-missing" in plan_sources:
+        pytest.skip(plan_sources["mindspeed-missing"])
+    done = resolve_image_plan(plan_sources, "a3", "aarch64", unpatched="mindspeed")
+    assert done.returncode != 0, "the unpatched MindSpeed requirements resolve: drop its numpy patch"
+    assert "numpy<=1.26.0" in done.stderr and "numpy>=2" in done.stderr, done.stderr[-3000:]

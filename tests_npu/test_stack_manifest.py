@@ -112,6 +112,22 @@ def _mutate(tmp_path: Path, old: str, new: str) -> Path:
             'replaces = ["triton-ascend"]',
             r"\[packages\.triton-ascend\] key 'replaces' names the package itself",
         ),
+        ("\nbuild_isolation = false", '\nbuild_isolation = "no"', r"\[git\.vllm\] key 'build_isolation' must be true"),
+        (
+            "\nbuild_isolation = false",
+            "\nbuild_isolation = true",
+            r"\[git\.vllm\] key 'build_requires_skip' applies only to a build without isolation",
+        ),
+        (
+            'build_requires_skip = ["torch", "cmake", "ninja"]',
+            'build_requires_skip = ["torch", "torch"]',
+            r"\[git\.vllm\] key 'build_requires_skip' lists a distribution twice",
+        ),
+        (
+            'build_requires_skip = ["torch", "cmake", "ninja"]',
+            'build_requires_skip = ["torch,cmake"]',
+            r"\[git\.vllm\] key 'build_requires_skip' must be a list of distribution names",
+        ),
     ],
 )
 def test_malformed_manifest_errors_name_file_table_and_key(tmp_path, old, new, expected):

@@ -273,27 +273,68 @@ def cmd_contracts_verify(args: argparse.Namespace) -> int:
               f"{', '.join(contracts.COMPONENTS)}", file=sys.stderr)  # fmt: skip
         return 2
     components = args.component or list(contracts.COMPONENTS)
-    results = verify(contracts.ALL, sources_for(overrides, components), components=components)
-    failed = [r for r in results if not r.ok]
+    sources = sources_for(overrides, components)
+    results = verify(contracts.ALL, sources, components=components)
+    # what only running MindSpeed shows, wherever it is installed (not for a --source tree, which cannot be imported)
+    composed = composed_checks() if "mindspeed" in components and "mindspeed" not in overrides and sources.get(
+        "mindspeed") is not None else []  # fmt: skip
+    rows = [r.to_dict() for r in results] + composed
+    failed = [r for r in rows if r["status"] != "ok"]
     if args.json == "-":
-        print(json.dumps([r.to_dict() for r in results], indent=2))
+        print(json.dumps(rows, indent=2))
     else:
         from rich.table import Table
 
         table = Table(title=f"verl-npu contracts: {', '.join(components)}")
         for column in ("id", "where", "status", "detail"):
             table.add_column(column, overflow="fold")
-        for r in results:
-            style = "green" if r.ok else "bold red"
-            table.add_row(
-                r.contract.id, f"{r.contract.component}: {r.contract.where}", f"[{style}]{r.status}[/]", r.detail
-            )
+        for row in rows:
+            style = "green" if row["status"] == "ok" else "bold red"
+            status = f"[{style}]{row['status']}[/]"
+            table.add_row(row["id"], f"{row['component']}: {row['where']}", status, row["detail"])
         console = _console()
         console.print(table)
-        console.print(f"{len(results) - len(failed)} of {len(results)} contracts hold")
+        console.print(f"{len(rows) - len(failed)} of {len(rows)} contracts hold")
         if args.json:
-            Path(args.json).write_text(json.dumps([r.to_dict() for r in results], indent=2) + "\n")
+            Path(args.json).write_text(json.dumps(rows, indent=2) + "\n")
     return 1 if failed else 0
+
+
+COMPOSED_TIMEOUT_S = 600
+COMPOSED_WHERE = "composed: the engine's repatch, then MLATransformerConfig"
+
+
+def composed_checks() -> list[dict]:
+    """verl_npu.contracts.composed in a fresh process (importing MindSpeed patches megatron for good), as rows of
+    the contracts table; a process that dies without its report is one failed row naming its exit."""
+    from verl_npu import processes
+    from verl_npu.contracts import composed
+
+    def row(check_id: str, ok: bool, detail: str) -> dict:
+        status = "ok" if ok else "failed"
+        return {"id": check_id, "component": "mindspeed", "where": COMPOSED_WHERE, "status": status, "detail": detail}
+
+    done = processes.run([sys.executable, "-m", "verl_npu.contracts.composed"], timeout=COMPOSED_TIMEOUT_S)
+    try:
+        reports = json.loads(str(done.stdout).strip().splitlines()[-1]) if done.returncode in (0, 1) else None
+    except (ValueError, IndexError):
+        reports = None
+    if not isinstance(reports, list):
+        last = next((line.strip() for line in reversed(str(done.stderr).splitlines()) if line.strip()), "")
+        return [row(composed.CP_CONFIG, False, f"the check did not report ({done.describe()}): {last[:300]}")]
+    return [row(r["id"], r["ok"], r["detail"]) for r in reports]
+
+
+def cmd_upstream_fetch(args: argparse.Namespace) -> int:
+    from verl_npu import upstream
+
+    try:
+        archive = upstream.fetch_mindspeed(Path(args.dest), load_stack(args.manifest))
+    except OSError as exc:  # git missing, or the destination unwritable
+        print(f"verl-npu upstream fetch: {exc}", file=sys.stderr)
+        return 2
+    print(f"wrote {archive}\nuse it: export {upstream.MINDSPEED_SOURCE_ENV}={archive}")
+    return 0
 
 
 def _positive_int(text: str) -> int:
@@ -389,6 +430,17 @@ def build_parser() -> argparse.ArgumentParser:
                    help="only this component, e.g. mindspeed (repeatable; default: all)")  # fmt: skip
     p.add_argument("--json", metavar="FILE", help="also write the results as JSON ('-': JSON on stdout only)")
     p.set_defaults(func=cmd_contracts_verify)
+
+    upstream = sub.add_parser(
+        "upstream", help="pinned upstream sources not on PyPI (MindSpeed), for the ascend_sim tests"
+    )
+    upstream_sub = upstream.add_subparsers(dest="upstream_command", required=True)
+    p = upstream_sub.add_parser(
+        "fetch", help="fetch the pinned MindSpeed commit (gitcode) into DEST/MindSpeed-<commit>.tar.gz"
+    )
+    p.add_argument("component", choices=["mindspeed"], help="the upstream source to fetch")
+    p.add_argument("--dest", default=".", help="directory to write the archive to (default: the current directory)")
+    p.set_defaults(func=cmd_upstream_fetch)
 
     ci = sub.add_parser("ci", help="CI tools: compare a training log with a baseline; image tags")
     ci_sub = ci.add_subparsers(dest="ci_command", required=True)

@@ -33,6 +33,10 @@ if [[ -f "$JEMALLOC" ]]; then export LD_PRELOAD="$JEMALLOC${LD_PRELOAD:+:$LD_PRE
 
 MEGATRON=actor_rollout_ref.actor.megatron
 TRANSFORMER=$MEGATRON.override_transformer_config
+ROLLOUT=actor_rollout_ref.rollout
+# The rollout's graphs: decode-only full graphs, the mode vllm-ascend's GLM-5.2 guide runs. Graphs read the
+# weights where they were captured; the MoE experts keep their storage across verl's weight syncs only with
+# fused MC2 off (glm5_2.env pins VLLM_ASCEND_ENABLE_FUSED_MC2=0; preflight fails graphs with it on).
 # DSA on Ascend: MindSpeed's four switches go together (use_dsa_absorb: absorbed MLA, the only form the
 # fused indexer / sparse attention / KL-loss operators take). No use_fused_rmsnorm / use_fused_swiglu:
 # MindSpeed core_r0.18.0 builds TE-NPU's RMSNorm and fused SwiGLU whatever they say (preflight warns).
@@ -93,6 +97,8 @@ TRANSFORMER=$MEGATRON.override_transformer_config
     actor_rollout_ref.rollout.data_parallel_size=$ROLLOUT_DP \
     actor_rollout_ref.rollout.expert_parallel_size=$ROLLOUT_EP \
     actor_rollout_ref.rollout.gpu_memory_utilization=0.8 \
+    actor_rollout_ref.rollout.max_model_len=$((MAX_PROMPT_LENGTH + MAX_RESPONSE_LENGTH)) \
+    +$ROLLOUT.engine_kwargs.vllm.compilation_config.cudagraph_mode=FULL_DECODE_ONLY \
     actor_rollout_ref.rollout.log_prob_use_dynamic_bsz=True \
     trainer.device=npu \
     trainer.nnodes="$NNODES" \

@@ -11,6 +11,12 @@ baseline's limit for that metric:
   (memory +1 GB, reward mean +-0.05);
 - ``relative``: the same as fractions of the baseline value (throughput -5%, step time +5%).
 
+A baseline may also hold ``guards``: a bound on one metric at one step that needs no baseline value, so it holds
+from a job's first night. The GLM-5 jobs bound verl's rollout-vs-actor probability difference at step 1
+(:data:`DEFAULT_GUARDS`): a rollout left with wrong weights by the weight sync samples from another model than the
+one the actor scores, from the first step on. A guard that fails is a regression (exit 1) even while the baseline's
+values are not taken yet; one whose metric is missing or not finite at its step fails closed (exit 2).
+
 The gate fails closed: a baseline value or limit that is not a finite number in range, a window with
 a NaN or infinite value, or a metric missing from any step of the window is an error (exit 2), never
 "ok". The baseline's structure is parsed through verl_npu.inputs; ``--update`` writes it atomically
@@ -51,6 +57,16 @@ DEFAULT_LIMITS = {
     "training/rollout_probs_diff_mean": ("relative", "max_increase", 0.05),
 }
 DEFAULT_WINDOW = (5, 14)
+
+# verl 0.9.1's rollout-vs-actor metric (verl/utils/debug/metrics.py, calculate_debug_metrics; logged each step when
+# actor_rollout_ref.rollout.calculate_log_probs=True): the mean over response tokens of |p_actor - p_rollout|, the
+# probabilities both give the sampled token. Bounded at step 1, before training has moved the actor: a right sync
+# leaves bf16 kernel differences only (2e-4 measured for the nightly's random-weight GLM-5 model; trained models
+# stay near 0.01), while a rollout that reads garbage weights samples tokens it is sure of and the actor is not.
+# ci/README.md ("The step-1 guard") gives the measurements, and what this bound cannot see.
+PROBS_DIFF_MEAN = "training/rollout_probs_diff_mean"
+DEFAULT_GUARDS = {PROBS_DIFF_MEAN: {"step": 1, "max": 0.05}}
+GUARD_KEYS = ("step", "min", "max", "why")
 
 # Bounds no real job comes near; they keep every bound and mean finite and every loop short.
 MAX_STEP = 10_000_000
@@ -241,6 +257,50 @@ def _limit(path: Path, metric: str, data: Any) -> Limit:
 
 
 @dataclasses.dataclass(frozen=True)
+class Guard:
+    """A bound on ``metric`` at ``step`` that needs no baseline value (``minimum`` / ``maximum``: None = none)."""
+
+    metric: str
+    step: int
+    minimum: float | None = None
+    maximum: float | None = None
+    why: str | None = None
+
+    def holds(self, value: float) -> bool:
+        return (self.minimum is None or value >= self.minimum) and (self.maximum is None or value <= self.maximum)
+
+    def describe(self) -> str:
+        bounds = [f">= {self.minimum:g}" if self.minimum is not None else "",
+                  f"<= {self.maximum:g}" if self.maximum is not None else ""]  # fmt: skip
+        return " and ".join(b for b in bounds if b) + f" at step {self.step}"
+
+    @property
+    def bound(self) -> float:
+        """The bound a value is compared with (the lower one when both are set)."""
+        return self.minimum if self.minimum is not None else self.maximum  # type: ignore[return-value]
+
+
+def _guard(path: Path, metric: str, data: Any) -> Guard:
+    source, where = str(path), f"{path}: guards.{metric}"
+    if not isinstance(data, dict) or "step" not in data or not ({"min", "max"} & set(data)):
+        raise CompareError(f"{where}: needs step (an integer) and min and/or max (numbers)")
+    unknown = set(data) - set(GUARD_KEYS)
+    if unknown:
+        raise CompareError(f"{where}: unknown keys {sorted(unknown)[:10]} (allowed: {', '.join(GUARD_KEYS)})")
+    step = _json_integer(f"guards.{metric}.step", data["step"], minimum=0, maximum=MAX_STEP, source=source)
+    bounds = {
+        k: _json_number(f"guards.{metric}.{k}", data[k], minimum=-MAX_VALUE, maximum=MAX_VALUE, source=source)
+        if k in data
+        else None
+        for k in ("min", "max")
+    }
+    if bounds["min"] is not None and bounds["max"] is not None and bounds["min"] > bounds["max"]:
+        raise CompareError(f"{where}: min {bounds['min']:g} is above max {bounds['max']:g}")
+    why = None if data.get("why") is None else inputs.text(f"guards.{metric}.why", data["why"], source=source)
+    return Guard(metric, step, bounds["min"], bounds["max"], why)
+
+
+@dataclasses.dataclass(frozen=True)
 class Baseline:
     path: Path
     job: str
@@ -249,6 +309,7 @@ class Baseline:
     limits: dict[str, Limit]
     image: str | None
     commit: str | None
+    guards: tuple[Guard, ...] = ()
 
 
 def read_baseline(path: str | Path) -> Baseline:
@@ -311,7 +372,13 @@ def parse_baseline(path: Path, data: Any) -> Baseline:
         None if data.get(k) is None else inputs.text(k, data[k], max_length=400, source=source)
         for k in ("image", "commit")
     )
-    return Baseline(path, job, (first, last), values, limits, image, commit)
+    guards = data.get("guards", {})
+    if not isinstance(guards, dict) or len(guards) > MAX_METRICS:
+        raise CompareError(f"{path}: guards must map at most {MAX_METRICS} metric names to {{step, min and/or max}}")
+    for metric in guards:
+        inputs.text("guards (a metric name)", metric, max_length=MAX_NAME, source=source)
+    parsed = tuple(_guard(path, metric, entry) for metric, entry in guards.items())
+    return Baseline(path, job, (first, last), values, limits, image, commit, parsed)
 
 
 # --- comparing -----------------------------------------------------------------------------------
@@ -359,15 +426,41 @@ def table(rows: list[Row], title: str):
     return checks_table(rows, escape(title), COLUMNS, escape=True)
 
 
+def guard_rows(steps: dict[int, dict[str, float]], guards: tuple[Guard, ...], log: str) -> list[Row]:
+    """One row per guard: its metric at its step against its bound (CompareError when it was not measured there)."""
+    rows = []
+    for guard in guards:
+        value = steps.get(guard.step, {}).get(guard.metric)
+        if value is None:
+            have = "no such step" if guard.step not in steps else "the metric is not logged there"
+            raise CompareError(
+                f"{log}: guard {guard.metric!r} needs its value at step {guard.step} ({have}; verl logs the "
+                "rollout-vs-actor metrics only with actor_rollout_ref.rollout.calculate_log_probs=True)"
+            )
+        if not math.isfinite(value):
+            raise CompareError(
+                f"{log}: guard {guard.metric!r} is {value} at step {guard.step} (a gate does not pass on a value "
+                "that is not a number; verl writes nan when no response token was valid)"
+            )
+        verdict = VERDICTS[OK if guard.holds(value) else FAIL]
+        rows.append(Row(f"{guard.metric} (step {guard.step})", guard.bound, value, value - guard.bound,
+                        guard.describe(), verdict))  # fmt: skip
+    return rows
+
+
 def compare(log: str | Path, baseline: Baseline) -> list[Row]:
+    """Guards first (they need no baseline value), then each metric's window mean against its baseline value."""
     pending = [m for m, v in baseline.values.items() if v is None]
+    steps = read_log(log) if baseline.guards or not pending else {}
+    rows = guard_rows(steps, baseline.guards, str(log))
     if pending:
+        if any(r.verdict != VERDICTS[OK] for r in rows):
+            return rows  # a failed guard is a regression whether or not the baseline's values are taken
+        passed = f" (its guards passed: {', '.join(r.metric for r in rows)})" if rows else ""
         raise CompareError(
-            f"{baseline.path}: no values taken yet for {pending}; take them from a good run with "
+            f"{baseline.path}: no values taken yet for {pending}{passed}; take them from a good run with "
             f"`verl-npu ci compare LOG {baseline.path} --update`"
         )
-    steps = read_log(log)
-    rows = []
     for metric, reference in baseline.values.items():
         current = window_average(steps, metric, baseline.window, str(log))
         low, high = baseline.limits[metric].bounds(reference)
@@ -393,7 +486,7 @@ def update_baseline(log: str | Path, baseline_path: str | Path, *, image: str | 
         data = json.loads(path.read_text(encoding="utf-8"))
         window, metrics = current.window, list(current.values)
     else:
-        data = {"job": path.stem, "metrics": {}}
+        data = {"job": path.stem, "metrics": {}, "guards": DEFAULT_GUARDS}
         window, metrics = DEFAULT_WINDOW, list(DEFAULT_LIMITS)
     steps = read_log(log)
     data["window"] = {"first_step": window[0], "last_step": window[1]}

@@ -27,6 +27,64 @@ They are checked in three places:
 
 When a check reports `drifted`, read the upstream change against the fact, fix our side if the
 fact no longer holds, then record the new sha256 it printed.
+
+A fact checked symbol by symbol can hold while the pieces fail together. `verl-npu contracts verify`
+therefore also runs the composed checks of `verl_npu/contracts/composed.py` wherever MindSpeed is
+installed (a fresh process loads verl-npu's layer over it, runs the engine's `repatch` twice and builds
+a DSA `MLATransformerConfig` at CP 4), and the `ascend_sim` test tier runs the upstream code itself.
+
+## What runs for real on the CPU (the `ascend_sim` tier)
+
+`pytest -m ascend_sim` (part of `.ci/run`) executes pinned upstream Ascend Python on the CPU. MindSpeed
+comes from `$VERL_NPU_MINDSPEED_SRC` (a checkout or a tarball at the pinned commit) or
+`../shared/upstream/` beside the checkout; `verl-npu upstream fetch mindspeed` makes that tarball where
+gitcode is reachable. The tests skip, naming both, where neither exists; they first check every MindSpeed
+contract above against that source, then apply `patches/mindspeed/` as `install.sh` does.
+
+Real, executed: MindSpeed's whole default features list, its patch manager and `repatch`; verl-npu's
+runtime layer, build plan and GLM-5 bridge; megatron-core 0.18. In `tests_npu/test_ascend_sim_mindspeed.py`:
+
+- the GLM-5.2 example's actor as composed from the real launch script: build plan, `repatch`, the bridge's
+  `MLATransformerConfig` at CP 4 / TP 2 / PP 8 / EP 64, then the layer specs of all eight pipeline stages
+  (absorbed MLA everywhere, an indexer on full layers only), for the actor and a second engine in the
+  same process;
+- the composed check above, failing without `mindspeed-dsa-cp-config` and holding with it;
+- a tiny GLM-5.2 (the parity job's fused-operator shapes, GLM-5.2's first four layers: three full, one
+  shared; top-k 1024 below a 1280-token sequence) evaluated and trained one step by the parity job through
+  MindSpeed's absorbed MLA and fused DSA forward (lightning indexer, sparse flash attention, KL-loss
+  operator) with verl-npu's IndexShare, against verl-npu's portable path: equal to fp32 rounding before
+  the top-k binds, and where it binds except for tokens after a near-tied key that the fused indexer's
+  bf16 inputs flip (the portable indexer gets the same bf16 inputs for this comparison); a training
+  step's loss and gradient norm within 1e-4; a bridge that swaps kv_b_proj's K and V rows fails it.
+
+What executing it found, each fixed in verl-npu and tested:
+
+- MindSpeed's `repatch` loses its own DSA kv-allgather CP wrapper (assigned directly, then overwritten by
+  its patch manager's re-application of NpuEnhancement's patch): runtime patch `mindspeed-dsa-cp-config`.
+- MindSpeed refuses `moe_grouped_gemm` when a config is built, which the GLM-5 bridge turned on: off on
+  Ascend, and an override turning it on is a build-plan error.
+- Absorbed MLA asks mbridge's reader for `kv_b_proj` twice per layer, which a checkpoint without an index
+  file refused: the GLM-5 bridge's reader takes each name once.
+- `MLASelfAttentionAbsorb.forward` calls `.view()` on a `torch.einsum` result, which is not contiguous for
+  any batch: `patches/mindspeed/0002-*` (reshape).
+- On the fused path MindSpeed assigns over three verl-npu patches (`dsa-call-context`,
+  `dsa-sparse-attention`, `dsa-indexer-topk-eval`); its operators run there instead. The tests pin that set
+  (`PatchEngine.displaced()`), so a new overlap shows.
+
+Still stand-ins (`tests_npu/support/ascend_sim.py`), because they cannot exist off a node:
+
+- torch_npu's operators (`tests_npu/support/fake_torch_npu.py`: the registered signatures, the documented
+  input rules, fp32 results) and the bits of its module surface MindSpeed reads at import (device helpers
+  answering "no NPU", HCCL's process-group options class, the dtype list its backend registers);
+  torchair (a converter registry keeping the functions it is given); MegatronAdaptor (verl-npu's CPU
+  device redirection plays its part); TransformerEngineNPU (megatron runs without TE: its TE spec provider
+  is megatron's local one, `TELinear` is verl-npu's `DuplicatedLinear`, and the two TE-NPU modules the
+  kv-allgather CP code imports raise if called).
+- One rank on gloo: CP > 1 is built (config, specs) but its attention does not run.
+- Two documented operator rules are recorded instead of enforced: non-contiguous inputs (MindSpeed hands
+  `npu_sparse_flash_attention` split views of its query and key: whether the aclnn entry makes them
+  contiguous only `tests_npu/test_ascend_stack_npu.py` on a node can tell; the tests list exactly those
+  four inputs), and, in the fp32 run only, the operators' fp16/bf16 inputs (the bf16 run enforces it).
 """
 
 

@@ -25,6 +25,10 @@ DSA_SWITCHES = (DSA_ABSORB, *DSA_FUSED_OPERATORS)
 # The KL-loss operator receives the attention heads all-gathered over TP as its Q_N.
 FUSED_KL_ATTENTION_HEADS = (32, 64, 128)
 DSA_CP_ALGORITHM = "kvallgather_cp_algo"
+# MindSpeed's DSA feature class, and the attribute its kv-allgather CP wrapper and the always-on NpuEnhancement
+# feature both patch (MindSpeedPatchesManager names a target by its dotted path).
+DSA_FEATURE_CLASS = "DeepSeekSparseAttention"
+POST_INIT_TARGET = "megatron.core.transformer.transformer_config.TransformerConfig.__post_init__"
 # Read from MindSpeed's args without a default on the fused path: repatch must always set them.
 ARGS_READ_WITHOUT_DEFAULT = ("context_parallel_size", "context_parallel_algo")
 # MLASelfAttentionAbsorb's parameters (the GLM-5 bridge maps each one); linear_proj and
@@ -135,7 +139,8 @@ CONTRACTS = (
         relied_on="with the three fused switches MindSpeed assigns DSAttention.forward and "
         "DSAIndexer.forward_with_scores directly (repatch cannot undo it; verl-npu's dsa-* patches are not in effect "
         "on that path); use_dsa_absorb swaps MLASelfAttention for MLASelfAttentionAbsorb; with CP > 1 and "
-        f"{DSA_CP_ALGORITHM} it wraps TransformerConfig.__post_init__ to let DSA build with CP",
+        f"{DSA_CP_ALGORITHM} it wraps TransformerConfig.__post_init__ to let DSA build with CP (by assignment, which "
+        "its own patch manager then undoes: see mindspeed-dsa-cp-wrapper-by-assignment)",
         used_by="verl_npu/engine/build_plan.py (features and notes the plan reports)",
         expects=(
             Expect("DSAttention.forward = dsa_npu_fused.fused_dsa_attn_forward", "fused attention replaces forward"),
@@ -145,6 +150,115 @@ CONTRACTS = (
             Expect("MLASelfAttentionAbsorb,", "use_dsa_absorb builds the absorbed attention"),
             Expect(f"== '{DSA_CP_ALGORITHM}'", "the CP bypass needs the kv-allgather algorithm"),
             Expect("TransformerConfig.__post_init__ = transformer_config_post_init_wrapper(", "the CP bypass"),
+        ),
+    ),
+    Contract(
+        id="mindspeed-dsa-cp-wrapper-by-assignment",
+        component="mindspeed",
+        path=_DSA_FEATURE,
+        locator="python",
+        symbol="DeepSeekSparseAttention.register_patches",
+        line=86,
+        sha256="64a113e7c50d045baebbd8daab26657ba21fe97491f1122b4d2718eb58a738d6",
+        relied_on="the kv-allgather CP wrapper is assigned to TransformerConfig.__post_init__ directly, not registered "
+        "with MindSpeedPatchesManager, so the manager's later apply_patches in the same repatch replaces it with the "
+        "managed NpuEnhancement patch of that attribute (the wrapper is lost; a DSA config at CP > 1 asserts)",
+        used_by="verl_npu/runtime_patches/mindspeed_dsa_cp_config.py (registers the wrapper with the manager after "
+        "repatch; remove it when this contract fails because MindSpeed registers it itself)",
+        expects=(
+            Expect(
+                "TransformerConfig.__post_init__=transformer_config_post_init_wrapper(TransformerConfig.__post_init__)",
+                "the wrapper is installed by plain assignment",
+                ignore_whitespace=True,
+            ),
+            Expect(f"'{POST_INIT_TARGET}'", "the wrapper is not registered with the patch manager", present=False),
+            Expect("self._get_context_parallel_size(args) > 1", "CP size read through the feature's helper"),
+            Expect(
+                f"getattr(args, 'context_parallel_algo', None) == '{DSA_CP_ALGORITHM}'",
+                "the algorithm verl-npu's patch compares with",
+            ),
+        ),
+    ),
+    Contract(
+        id="mindspeed-npu-enhancement-manages-post-init",
+        component="mindspeed",
+        path="mindspeed/features_manager/npu_enhancement/npu_enhancement.py",
+        locator="python",
+        symbol="NpuEnhancementFeature._register_config_patches",
+        line=166,
+        sha256="5b7210b8ed94f2052b9634b09f37389d332fab23b4c0089abe83880a864d911d",
+        relied_on="the always-on NpuEnhancement feature registers a managed patch of TransformerConfig.__post_init__ "
+        "(its argument wrapper): every apply_patches re-applies that attribute from the manager's original",
+        used_by="verl_npu/runtime_patches/mindspeed_dsa_cp_config.py (why the DSA CP wrapper is lost)",
+        expects=(Expect(f"'{POST_INIT_TARGET}',", "a managed patch of the same attribute"),),
+    ),
+    Contract(
+        id="mindspeed-patch-manager-reapplies-from-original",
+        component="mindspeed",
+        path="mindspeed/patch_utils.py",
+        locator="python",
+        symbol="Patch.apply_patch",
+        line=110,
+        sha256="b869a456dd18ac216489857d34de6d43e55a6b711114b76e2c156ad5a4c7335c",
+        relied_on="a managed patch is rebuilt from the original function kept at its first application (wrappers "
+        "applied over it in order), whatever the attribute holds now",
+        used_by="verl_npu/runtime_patches/mindspeed_dsa_cp_config.py (a wrapper must be registered to survive)",
+        expects=(
+            Expect("if self.orig_module is None:", "the original is captured once"),
+            Expect("final_patch_func = self.orig_func", "rebuilt from that original"),
+            Expect("for wrapper in self.wrappers:", "registered wrappers are applied over it"),
+        ),
+    ),
+    Contract(
+        id="mindspeed-patch-manager-keeps-one-copy-of-a-wrapper",
+        component="mindspeed",
+        path="mindspeed/patch_utils.py",
+        locator="python",
+        symbol="Patch.set_patch_func",
+        line=70,
+        sha256="70d0e5bce2f410f8c4219904768d21dd46d931179881312208cabce938c99d50",
+        relied_on="a function whose name ends with 'wrapper' is registered as a wrapper, once however often it is "
+        "registered, and re-registering marks the patch for re-application",
+        used_by="verl_npu/runtime_patches/mindspeed_dsa_cp_config.py (registering after every repatch is idempotent)",
+        expects=(
+            Expect("new_func.__name__.endswith(('wrapper', 'decorator'))", "wrappers are recognised by name"),
+            Expect("if new_func not in self.wrappers:", "one copy of each wrapper"),
+            Expect("self.is_applied = False", "re-applied on the next apply_patches"),
+        ),
+    ),
+    Contract(
+        id="mindspeed-default-features-list",
+        component="mindspeed",
+        path="mindspeed/features_manager/__init__.py",
+        locator="python",
+        symbol="create_features_list",
+        line=358,
+        sha256="55236577d3e4d8977ee24a5c4df23478b816fe04b1006bf591ae613afd084ea5",
+        relied_on="MindSpeed's default features list holds the NpuEnhancement feature (basic features, first) and "
+        "the DSA feature (transformer features, later): both run in every repatch",
+        used_by="verl_npu/runtime_patches/mindspeed_dsa_cp_config.py; tests_npu/test_ascend_sim_mindspeed.py runs "
+        "this list",
+        expects=(
+            Expect("add_basic_optimizer_features(features_list)", "NpuEnhancement is in the list"),
+            Expect("add_transformer_features(features_list)", "DSA is in the list"),
+        ),
+    ),
+    Contract(
+        id="mindspeed-refuses-moe-grouped-gemm",
+        component="mindspeed",
+        path="mindspeed/features_manager/moe/gmm.py",
+        locator="python",
+        symbol="MoEGmmFeature.validate_args",
+        line=16,
+        sha256="29902605e846ee62af4b4937fe64757f1d5ddcd825c62299cd2d609450a72345",
+        relied_on="MindSpeed core_r0.18.0 raises NotImplementedError for moe_grouped_gemm; building a "
+        "TransformerConfig runs every feature's validate_args (mindspeed-config-validates-features), so a config "
+        "with grouped experts does not build on Ascend",
+        used_by="verl_npu/engine/glm5_config.py (grouped GEMM off on Ascend); verl_npu/engine/build_plan.py (an "
+        "override turning it on is refused before the job queues)",
+        expects=(
+            Expect("if getattr(args, 'moe_grouped_gemm', False):", "the switch is read from the config"),
+            Expect("raise NotImplementedError(", "and refused"),
         ),
     ),
     Contract(

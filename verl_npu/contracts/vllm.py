@@ -25,6 +25,7 @@ from verl_npu.contracts.spec import Contract, Expect
 
 _DEEPSEEK_V2 = "vllm/model_executor/models/deepseek_v2.py"
 _ENGINE_CORE = "vllm/v1/engine/core.py"
+_KV_CACHE_UTILS = "vllm/v1/core/kv_cache_utils.py"
 
 # DeepseekV2Model.load_weights: (vLLM parameter, checkpoint name part, shard), tried in this order
 # on every name that is not a routed expert's; the first whose part is in the name renames it.
@@ -389,6 +390,135 @@ CONTRACTS = (
         "patch_routed_experts_capture (imported by verl's GLM-5.2 patch) replaces it",
         used_by="verl 0.9.1 verl/utils/vllm/npu_vllm_patch.py (apply_npu_vllm_patches)",
         expects=(Expect("def capture(self, layer_id: int, topk_ids: torch.Tensor) -> None:", "the method replaced"),),
+    ),
+    # --- the rollout as preflight models it (verl_npu/preflight/rollout.py, docs/preflight_rollout.md) ----------
+    Contract(
+        id="vllm-kv-cache-must-hold-one-request",
+        component="vllm",
+        path=_KV_CACHE_UTILS,
+        locator="python",
+        symbol="_check_enough_kv_cache_memory",
+        line=713,
+        sha256="67cc6e6e5eb18b1d315d15dde7ea0ab5a3772204a99fbac8183cd619eae2f3f7",
+        relied_on="the engine does not start when no memory is left for the KV cache, or when one request of "
+        "max_model_len needs more KV cache than is available; it then names the longest max_model_len that fits",
+        used_by="verl_npu/preflight/rollout.py (kv_cache_checks)",
+        expects=(
+            Expect("if available_memory <= 0:\n        raise ValueError(", "no memory at all"),
+            Expect("if needed_memory > available_memory:", "one request must fit"),
+            Expect("the estimated maximum model length is {estimated_max_len}", "the length that fits, in words"),
+        ),
+    ),
+    Contract(
+        id="vllm-kv-cache-checked-per-worker",
+        component="vllm",
+        path=_KV_CACHE_UTILS,
+        locator="python",
+        symbol="get_kv_cache_configs",
+        line=1956,
+        sha256="9ca0189a286c01b813cd98bc39ddf1a2f7e96293d237c3f57001bfe279f4b9e7",
+        relied_on="every worker's KV cache groups are checked against its own available memory",
+        used_by="verl_npu/preflight/rollout.py (one rank's estimate)",
+        expects=(
+            Expect(
+                "_check_enough_kv_cache_memory(\n            avail_mem,\n            "
+                "partial(_max_memory_usage_bytes_from_groups, vllm_config, groups),",
+                "needed memory from the worker's groups",
+            ),
+        ),
+    ),
+    Contract(
+        id="vllm-kv-cache-layers-of-one-type-share-a-group",
+        component="vllm",
+        path=_KV_CACHE_UTILS,
+        locator="python",
+        symbol="get_kv_cache_groups",
+        line=1629,
+        sha256="83ff2e4abd4977412a6084c9b7c7ccb74f189fc2d1ffb73dd9121840e275df88",
+        relied_on="layers of one KV cache type with different page sizes (GLM-5.2's full and shared DSA layers) go "
+        "into one UniformTypeKVCacheSpecs group",
+        used_by="verl_npu/preflight/rollout.py (RolloutEstimate.needed_kv_bytes)",
+        expects=(Expect("elif uniform_spec := UniformTypeKVCacheSpecs.from_specs(kv_cache_spec):", "one group"),),
+    ),
+    Contract(
+        id="vllm-kv-cache-one-group-sums-its-layers",
+        component="vllm",
+        path=_KV_CACHE_UTILS,
+        locator="python",
+        symbol="_max_memory_usage_bytes_from_groups",
+        line=1752,
+        sha256="f97a78e7edea52f731daabbfa2579511f20c24cf0b116bf0473ff0e3800f1659",
+        relied_on="for one UniformTypeKVCacheSpecs group, one request needs the sum over its layers of each layer's "
+        "max_memory_usage_bytes",
+        used_by="verl_npu/preflight/rollout.py (RolloutEstimate.needed_kv_bytes)",
+        expects=(
+            Expect(
+                "return sum(\n            spec.max_memory_usage_bytes(vllm_config)\n            for spec in "
+                "per_layer_specs.values()\n        )",
+                "a sum over layers",
+            ),
+        ),
+    ),
+    Contract(
+        id="vllm-enforce-eager-captures-no-graphs",
+        component="vllm",
+        path="vllm/config/vllm.py",
+        locator="grep",
+        symbol=r"enforce_eager:$|cudagraph_mode = CUDAGraphMode\.NONE$",
+        line=0,
+        sha256="cf113ed160828df9ee518bdaff3aece3af421b52a302dce833a793b61247d62d",
+        relied_on="enforce_eager sets cudagraph_mode to NONE whatever compilation_config asked for",
+        used_by="verl_npu/preflight/values.py (RolloutValues.graphs), verl_npu/preflight/rollout.py",
+        expects=(
+            Expect(
+                "if self.model_config is not None and self.model_config.enforce_eager:\nvllm/config/vllm.py: "
+                "self.compilation_config.cudagraph_mode = CUDAGraphMode.NONE",
+                "eager: no graphs",
+            ),
+        ),
+    ),
+    Contract(
+        id="vllm-cudagraph-mode-names",
+        component="vllm",
+        path="vllm/config/compilation.py",
+        locator="python",
+        symbol="CompilationConfig.validate_cudagraph_mode_before",
+        line=858,
+        sha256="1df843843ab4261c2c3b9709c58b8f64ba9e994dadf8168427bf7396db47e9db",
+        relied_on="cudagraph_mode given as text is the CUDAGraphMode member of that name, upper-cased",
+        used_by="verl_npu/preflight/values.py (CUDAGRAPH_MODES)",
+        expects=(Expect("return CUDAGraphMode[value.upper()]", "by name"),),
+    ),
+    Contract(
+        id="vllm-cudagraph-modes",
+        component="vllm",
+        path="vllm/config/compilation.py",
+        locator="python",
+        symbol="CUDAGraphMode",
+        line=53,
+        sha256="17fab8993e61896d11db7a99f33398e301bc33b77c7a410c5fd2f9cedff8fed9",
+        relied_on="the graph modes are NONE, PIECEWISE, FULL, FULL_DECODE_ONLY and FULL_AND_PIECEWISE",
+        used_by="verl_npu/preflight/values.py (CUDAGRAPH_MODES)",
+        expects=(
+            Expect(
+                "NONE = 0\n    PIECEWISE = 1\n    FULL = 2\n    FULL_DECODE_ONLY = (FULL, NONE)\n    "
+                "FULL_AND_PIECEWISE = (FULL, PIECEWISE)",
+                "the members",
+            ),
+        ),
+    ),
+    Contract(
+        id="vllm-fused-moe-loads-experts-in-place",
+        component="vllm",
+        path="vllm/model_executor/layers/fused_moe/layer.py",
+        locator="python",
+        symbol="FusedMoE._load_w13",
+        line=715,
+        sha256="5c04a9bb650559eb580cd6e3299f1a5fcb4c7b5fd81eb7d17f6d6e5b58967c6a",
+        relied_on="FusedMoE's loader copies a checkpoint expert into a narrowed view of the parameter, in place "
+        "(the storage the rollout's graphs read stays the same)",
+        used_by="verl_npu/preflight/rollout.py (graph_checks)",
+        expects=(Expect("expert_data.copy_(loaded_weight)", "in place"),),
     ),
 )
 

@@ -25,6 +25,8 @@ GLM52_PATCH_ON_VALUES = ("1", "true", "yes")
 _SFA = "vllm_ascend/attention/sfa_v1.py"
 _DEVICE_OP = "vllm_ascend/device/device_op.py"
 _GLM5_LAYERS_PATCH = "vllm_ascend/patch/worker/patch_deepseek_v2.py"
+_MODEL_RUNNER = "vllm_ascend/worker/model_runner_v1.py"
+_KV_SPEC = "vllm_ascend/core/kv_cache_interface.py"
 
 # The MLA parameters vllm-ascend's DeepseekV2MLAAttention.__init__ builds when q_lora_rank is set (GLM-5).
 MLA_PARAMETERS = (
@@ -344,6 +346,284 @@ CONTRACTS = (
                 "the vLLM class it patches (contract vllm-routed-experts-capturer)",
             ),
             Expect("RoutedExpertsCapturer.capture = capture", "replaced at import"),
+        ),
+    ),
+    # --- the rollout as preflight models it (verl_npu/preflight/rollout.py, docs/preflight_rollout.md) ----------
+    Contract(
+        id="vllm-ascend-dsa-kv-cache-per-layer",
+        component="vllm-ascend",
+        path=_MODEL_RUNNER,
+        locator="python",
+        symbol="NPUModelRunner.get_kv_cache_spec",
+        line=4907,
+        sha256="73851d129bd563bb19d8752f60d2f13c28b8ed0f0ed16a383b9c22a77d768b0d",
+        relied_on="for a DSA model (hf config with index_topk) every MLA layer gets an AscendMLAAttentionSpec of one "
+        "KV head (the latent is replicated over TP) whose head is (kv_lora_rank, qk_rope_head_dim, index_head_dim) "
+        "on a layer with an indexer and (kv_lora_rank, qk_rope_head_dim, 0) on one that reuses another's top-k "
+        "(GLM-5.2's shared layers), in the KV cache dtype",
+        used_by="verl_npu/preflight/rollout.py (kv_bytes_per_token)",
+        expects=(
+            Expect("elif has_indexer:\n                        sparse_head_dim = self.sparse_head_dim", "full layers"),
+            Expect(
+                "self.model_config.hf_text_config.kv_lora_rank,\n                            "
+                "self.model_config.hf_text_config.qk_rope_head_dim,\n                            0,",
+                "layers without an indexer cache the latent and rope key only",
+            ),
+            Expect("num_kv_heads=1,\n                        head_size=sum(sparse_head_dim),", "one replicated head"),
+            Expect("dtype=self.kv_cache_dtype,", "in the KV cache dtype"),
+        ),
+    ),
+    Contract(
+        id="vllm-ascend-dsa-sparse-head-dim",
+        component="vllm-ascend",
+        path=_MODEL_RUNNER,
+        locator="grep",
+        symbol=r"self\.sparse_head_dim = \(|hf_text_config\.(kv_lora_rank|qk_rope_head_dim|index_head_dim),$",
+        line=0,
+        sha256="5e95639f208ebc64f0dfa933dd6ca3aba583508cdbecbbd3b67171e5f2ac3620",
+        relied_on="off the A5's SFA C8 path, a DSA model's full-layer KV head is (kv_lora_rank, qk_rope_head_dim, "
+        "index_head_dim)",
+        used_by="verl_npu/preflight/rollout.py (kv_bytes_per_token)",
+        expects=(
+            Expect(
+                "self.sparse_head_dim = (\n"
+                + _MODEL_RUNNER
+                + ": self.model_config.hf_text_config.kv_lora_rank,\n"
+                + _MODEL_RUNNER
+                + ": self.model_config.hf_text_config.qk_rope_head_dim,\n"
+                + _MODEL_RUNNER
+                + ": self.model_config.hf_text_config.index_head_dim,",
+                "latent, rope key, indexer key",
+            ),
+        ),
+    ),
+    Contract(
+        id="vllm-ascend-mla-spec-page-size",
+        component="vllm-ascend",
+        path=_KV_SPEC,
+        locator="python",
+        symbol="AscendMLAAttentionSpec.page_size_bytes",
+        line=67,
+        sha256="254a99da579b20b5045799f47d089e0c893c8c1edee225ad034f2f8e67446964",
+        relied_on="without C8 quantization or DCP, a block of an AscendMLAAttentionSpec takes block_size x "
+        "num_kv_heads x head_size x the dtype's bytes (scale_dim is 0)",
+        used_by="verl_npu/preflight/rollout.py (kv_bytes_per_token, RolloutEstimate.needed_kv_bytes)",
+        expects=(
+            Expect(
+                "return (\n            self.block_size\n            * self.num_kv_heads\n            * (self.head_size "
+                "* get_dtype_size(self.dtype) + self.scale_dim * get_dtype_size(self.scale_dtype))\n        )",
+                "the plain layout",
+                match="ends-with",
+            ),
+        ),
+    ),
+    Contract(
+        id="vllm-ascend-mla-spec-whole-blocks",
+        component="vllm-ascend",
+        path=_KV_SPEC,
+        locator="python",
+        symbol="AscendMLAAttentionSpec.max_memory_usage_bytes",
+        line=241,
+        sha256="af7809ec0d9ea013e4d081e85064a4a73031506136ede777cc3825cdcfbe7a1d",
+        relied_on="one request of max_model_len tokens takes cdiv(max_model_len, block_size) whole pages on a layer "
+        "(no DCP / PCP, compress ratio 1)",
+        used_by="verl_npu/preflight/rollout.py (RolloutEstimate.needed_kv_bytes, largest_fitting_len)",
+        expects=(
+            Expect(
+                "return cdiv(max_model_len, self.block_size * self.compress_ratio) * self.page_size_bytes",
+                "whole blocks",
+            ),
+        ),
+    ),
+    Contract(
+        id="vllm-ascend-block-size-128",
+        component="vllm-ascend",
+        path="vllm_ascend/utils.py",
+        locator="python",
+        symbol="refresh_block_size",
+        line=1369,
+        sha256="e5c6edfa5a87c5e0d32f093d0d95018b06eecf19214b0860d683682c9c33295b",
+        relied_on="the KV cache block is 128 tokens unless set, and 128 whenever prefix caching or chunked prefill "
+        "is on (verl turns both on by default)",
+        used_by="verl_npu/preflight/rollout.py (ASCEND_BLOCK_SIZE)",
+        expects=(
+            Expect("if cache_config.block_size is None:\n        cache_config.block_size = 128", "the default"),
+            Expect(
+                "if cache_config.enable_prefix_caching or scheduler_config.enable_chunked_prefill:",
+                "forced with prefix caching or chunked prefill",
+            ),
+        ),
+    ),
+    Contract(
+        id="vllm-ascend-dsa-kv-cache-in-model-dtype",
+        component="vllm-ascend",
+        path="vllm_ascend/platform.py",
+        locator="python",
+        symbol="NPUPlatform.check_and_update_config",
+        line=450,
+        sha256="6a9f20cd1f4281bfe7b578089df2d61cc3fa2a165e80ef2a0eb0b868ffd83464",
+        relied_on="a DSA model's KV cache takes the model's dtype; with piecewise graphs the graph is split only at "
+        "the attention ops (vllm::mla_forward, vllm::dsa_forward added to vLLM's), so the MoE layers are inside "
+        "captured graphs in every mode with graphs; enforce_eager captures none",
+        used_by="verl_npu/preflight/rollout.py (kv_bytes_per_token, graph_checks)",
+        expects=(
+            Expect(
+                'if model_config and hasattr(model_config.hf_text_config, "index_topk"):\n            '
+                'vllm_config.cache_config.cache_dtype = str(model_config.dtype).replace("torch.", "")',
+                "KV cache in the model dtype",
+            ),
+            Expect(
+                'compilation_config.splitting_ops.extend(\n                [\n                    "vllm::mla_forward",'
+                '\n                    "vllm::dsa_forward",\n                ]\n            )',
+                "pieces split at attention",
+            ),
+            Expect("compilation_config.mode = CompilationMode.NONE", "eager: no compilation, no graphs"),
+        ),
+    ),
+    Contract(
+        id="vllm-ascend-kv-cache-budget",
+        component="vllm-ascend",
+        path="vllm_ascend/worker/worker.py",
+        locator="python",
+        symbol="NPUWorker.determine_available_memory",
+        line=527,
+        sha256="1ec4d18d07a9a1b34ed718b57ba3114ece9753fc01d005cf1f63999400a173b6",
+        relied_on="the KV cache gets the requested memory (gpu_memory_utilization x the device's total) less the "
+        "weights, the profiling run's torch peak and the non-torch memory",
+        used_by="verl_npu/preflight/rollout.py (RolloutEstimate.available_kv_bytes)",
+        expects=(
+            Expect(
+                "profile_result.non_torch_increase + profile_result.torch_peak_increase + "
+                "profile_result.weights_memory",
+                "what is not KV cache",
+            ),
+            Expect(
+                "self.available_kv_cache_memory_bytes = self.requested_memory - profile_result.non_kv_cache_memory",
+                "the KV cache's budget",
+            ),
+        ),
+    ),
+    Contract(
+        id="vllm-ascend-requested-memory",
+        component="vllm-ascend",
+        path="vllm_ascend/worker/worker.py",
+        locator="grep",
+        symbol=r"self\.requested_memory = ",
+        line=0,
+        sha256="fdb7122a0c24d02d8510a7a0900fd5758cddaec11c952286afd051547560d879",
+        relied_on="the memory vLLM may use on a device is gpu_memory_utilization x its total memory",
+        used_by="verl_npu/preflight/rollout.py (RolloutEstimate.requested_bytes)",
+        expects=(
+            Expect(
+                "self.requested_memory = self.init_snapshot.total_memory * self.cache_config.gpu_memory_utilization",
+                "utilization x total",
+            ),
+        ),
+    ),
+    Contract(
+        id="vllm-ascend-moe-weights-after-loading",
+        component="vllm-ascend",
+        path="vllm_ascend/ops/fused_moe/fused_moe.py",
+        locator="python",
+        symbol="AscendUnquantizedFusedMoEMethod.process_weights_after_loading",
+        line=112,
+        sha256="5e161cb7dd63aed6191759aeb3c042aecdd454c055fb47b9fd6eec12bcc38e68",
+        relied_on="after every load (at start, and after each of verl's weight syncs) the experts become new "
+        "Parameters over w13/w2 transposed and made contiguous: the same storage when the loaded tensor is the "
+        "transposed view the wake-up made (contiguous() of a contiguous tensor is itself), so graphs captured at "
+        "start still read them; with fused MC2 on they are cast to FRACTAL_NZ into new storage, which those graphs "
+        "do not read; NZ for bf16 weights only with weight_nz_mode 2",
+        used_by="verl_npu/preflight/rollout.py (graph_checks), examples/glm5_2/glm5_2.env",
+        expects=(
+            Expect(
+                "w13_data = self._maybe_pad_weight(layer.w13_weight.data).transpose(1, 2).contiguous()",
+                "w13 transposed and made contiguous",
+            ),
+            Expect("layer.w13_weight = torch.nn.Parameter(w13_data, requires_grad=False)", "a new Parameter"),
+            Expect(
+                "w2_data = self._maybe_pad_weight(layer.w2_weight.data).transpose(1, 2).contiguous()",
+                "w2 likewise",
+            ),
+            Expect(
+                "if enable_fused_mc2:\n            layer.w13_weight.data = torch_npu.npu_format_cast("
+                "layer.w13_weight.data, ACL_FORMAT_FRACTAL_NZ)",
+                "fused MC2 recasts into new storage",
+            ),
+            Expect("layer.w13_weight.data = maybe_trans_nz(layer.w13_weight.data)", "otherwise NZ only if asked"),
+        ),
+    ),
+    Contract(
+        id="vllm-ascend-wake-up-transposes-experts-back",
+        component="vllm-ascend",
+        path="vllm_ascend/worker/worker.py",
+        locator="python",
+        symbol="NPUWorker.wake_up",
+        line=241,
+        sha256="004701116111aaf96589eb4a68dfb168ed89d1bf8d8666ba2760f20ed811a8ad",
+        relied_on="waking the weights up gives w13/w2 back the loader's layout as a transposed view of the same "
+        "storage (unquantized models), and refuses to run with NZ weights (weight_nz_mode not 0) in RL",
+        used_by="verl_npu/preflight/rollout.py (graph_checks)",
+        expects=(
+            Expect('elif "w13_weight" in name and param.shape[1] == hidden_size:', "w13 in the kernel's layout"),
+            Expect("w13_data = param.transpose(1, 2)", "a view, no copy"),
+            Expect("w2_data = param.transpose(1, 2)", "w2 likewise"),
+            Expect(
+                'if nz_mode:\n            raise ValueError(\n                "FRACTAL_NZ mode is enabled.',
+                "NZ weights refused",
+            ),
+        ),
+    ),
+    Contract(
+        id="vllm-ascend-weights-nz-only-when-asked",
+        component="vllm-ascend",
+        path="vllm_ascend/utils.py",
+        locator="python",
+        symbol="_should_trans_nz",
+        line=261,
+        sha256="ee6ed63bcda6f4c4022efbecaad62c9035882831a7f1079b13bd8cdaca0937d1",
+        relied_on="bf16 weights go to FRACTAL_NZ only with weight_nz_mode 2 (0: never), off the 310P",
+        used_by="verl_npu/preflight/rollout.py (graph_checks)",
+        expects=(
+            Expect("if not nz_mode:\n        return False", "mode 0: never"),
+            Expect("if weight.dtype in {torch.bfloat16, torch.float16}:\n        return nz_mode == 2", "bf16: mode 2"),
+        ),
+    ),
+    Contract(
+        id="vllm-ascend-nz-and-fused-mc2-defaults",
+        component="vllm-ascend",
+        path="vllm_ascend/envs.py",
+        locator="grep",
+        symbol=r'"VLLM_ASCEND_ENABLE_(NZ|FUSED_MC2)": ',
+        line=0,
+        sha256="a7d0d9fce044007243b7b332a27c082bd464fb542fa349eb177350b3c3872aff",
+        relied_on="VLLM_ASCEND_ENABLE_NZ defaults to 1 (verl sets 0 in vLLM's workers when unset) and "
+        "VLLM_ASCEND_ENABLE_FUSED_MC2 to 0; additional_config's weight_nz_mode / enable_fused_mc2 win over them",
+        used_by="verl_npu/preflight/rollout.py (graph_checks), examples/glm5_2/glm5_2.env",
+        expects=(
+            Expect('"VLLM_ASCEND_ENABLE_NZ": lambda: int(os.getenv("VLLM_ASCEND_ENABLE_NZ", 1)),', "NZ default 1"),
+            Expect(
+                '"VLLM_ASCEND_ENABLE_FUSED_MC2": lambda: int(os.getenv("VLLM_ASCEND_ENABLE_FUSED_MC2", "0")),',
+                "fused MC2 default 0",
+            ),
+        ),
+    ),
+    Contract(
+        id="vllm-ascend-sleep-copies-each-allocation-to-pinned-memory",
+        component="vllm-ascend",
+        path="vllm_ascend/device_allocator/camem.py",
+        locator="python",
+        symbol="CaMemAllocator.sleep",
+        line=180,
+        sha256="9972487ebd91d0bef33c8c896f2493fd5a5c0ddf500739c137743daa6b6a2a77",
+        relied_on="sleep copies every allocation with an offloaded tag (level 1: 'weights') to a pinned host tensor "
+        "of its own, one per allocation; wake_up drops the reference, and torch's pinned allocator keeps the block",
+        used_by="verl_npu/preflight/rollout.py (RolloutEstimate.host_bytes_per_rank), verl_npu/preflight/memory.py",
+        expects=(
+            Expect("if data.tag in offload_tags:", "the offloaded tags only"),
+            Expect(
+                'cpu_backup_tensor = torch.empty(size_in_bytes, dtype=torch.uint8, device="cpu", pin_memory=True)',
+                "one pinned block per allocation",
+            ),
         ),
     ),
 )

@@ -237,6 +237,7 @@ def build_plan(engine_config: Any, optimizer_config: Any, hf_config: Any, platfo
     otc = dict(_get(engine_config, OTC) or {})
     plan = _Draft(platform=platform, tf={k: v for k, v in otc.items() if k not in MINDSPEED_ONLY_KEYS})
     _rmsnorm(plan, problems, otc, hf_config)
+    _grouped_experts(plan, problems, otc)
     _dsa(plan, problems, otc, engine_config, hf_config)
     _index_share(plan, problems, engine_config, hf_config)
     _offload_and_optimizer(plan, problems, engine_config, optimizer_config)
@@ -278,6 +279,18 @@ def _mindspeed_repatch(plan: _Draft, otc: Mapping[str, Any], engine_config: Any)
     repatch["context_parallel_size"] = int(_get(engine_config, "context_parallel_size", 1) or 1)
     repatch.setdefault("use_flash_attn", True)
     return repatch
+
+
+def _grouped_experts(plan: _Draft, problems: _Problems, otc: Mapping[str, Any]) -> None:
+    """MindSpeed core_r0.18.0 refuses moe_grouped_gemm when a TransformerConfig is built (contract
+    mindspeed-refuses-moe-grouped-gemm): the GLM-5 bridge leaves it off on Ascend, and so must an override."""
+    if plan.platform == "ascend" and otc.get("moe_grouped_gemm"):
+        problems.add(
+            f"{OTC}.moe_grouped_gemm=True",
+            "MindSpeed core_r0.18.0 refuses grouped GEMM for the experts when the model config is built "
+            "(NotImplementedError: not adapted to Megatron 0.18)",
+            f"remove {OTC}.moe_grouped_gemm; on Ascend the experts run one GEMM each (SequentialMLP)",
+        )
 
 
 def _rmsnorm(plan: _Draft, problems: _Problems, otc: Mapping[str, Any], hf_config: Any) -> None:

@@ -92,11 +92,12 @@ def indexer_types(hf_config: Any) -> tuple[str, ...]:
     return kinds
 
 
-def glm5_config_fields(hf_config: Any) -> dict[str, Any]:
-    """TransformerConfig fields for a GlmMoeDsaConfig, beyond mbridge's common LLM mapping.
+def glm5_config_fields(hf_config: Any, platform: str = "cuda") -> dict[str, Any]:
+    """TransformerConfig fields for a GlmMoeDsaConfig, beyond mbridge's common LLM mapping, on ``platform``.
 
     The per-layer indexer kinds (:func:`indexer_types`) are not a TransformerConfig field: the layer
-    specs carry them (verl_npu.engine.index_share).
+    specs carry them (verl_npu.engine.index_share). On Ascend the experts are not grouped: MindSpeed core_r0.18.0
+    refuses ``moe_grouped_gemm`` when the config is built (contract mindspeed-refuses-moe-grouped-gemm).
     """
     indexer_types(hf_config)  # validated here so that a config the engine cannot build fails early
     rope_type, theta = rope_parameters(hf_config)
@@ -131,7 +132,8 @@ def glm5_config_fields(hf_config: Any) -> dict[str, Any]:
         moe_ffn_hidden_size=hf_config.moe_intermediate_size,
         moe_shared_expert_intermediate_size=shared or None,
         moe_layer_freq=moe_layer_freq(hf_config),
-        moe_grouped_gemm=True,  # TE's grouped experts; the local spec builds SequentialMLP either way
+        # TE's grouped experts off Ascend (the local spec builds SequentialMLP either way); MindSpeed refuses them
+        moe_grouped_gemm=platform != "ascend",
         moe_token_dispatcher_type="alltoall",
         moe_shared_expert_overlap=False,  # needs CUDA streams; an engine override can turn it on
         **_router_fields(hf_config),

@@ -94,9 +94,9 @@ def _glm5_2_layers(layers: int) -> dict[str, Any]:
     )
 
 
-def _glm5_2(**sizes: Any) -> dict[str, Any]:
+def _glm5_2(num_hidden_layers: int = 8, **sizes: Any) -> dict[str, Any]:
     published = _published(GLM5_2_CONFIG)
-    config = {**published, **_glm5_2_layers(8), **sizes}
+    config = {**published, **_glm5_2_layers(num_hidden_layers), **sizes}
     config.pop("torch_dtype", None)
     config["qk_head_dim"] = config["qk_nope_head_dim"] + config["qk_rope_head_dim"]
     return config

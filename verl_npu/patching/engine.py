@@ -142,6 +142,13 @@ class PatchEngine:
     def record(self, patch_id: str) -> PatchRecord | None:
         return self._records.get(patch_id)
 
+    def displaced(self) -> list[str]:
+        """Applied patches whose target no longer holds our replacement: upstream code assigned over it since
+        (MindSpeed's repatch assigns some DSA methods directly). Their records still say what was applied."""
+        with self._lock:
+            active = list(self._active.values())
+        return [a.patch.id for a in active if _raw_attribute(a.owner, a.attribute) is not a.replacement]
+
     def _set(self, patch: Patch, status: str, detail: str) -> PatchRecord:
         record = PatchRecord(patch.id, patch.target, patch.kind, status, detail)
         self._records[patch.id] = record

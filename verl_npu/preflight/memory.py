@@ -64,7 +64,9 @@ Assumptions (each one a reading of megatron-core 0.18 / verl 0.9.1 / verl_npu, o
     take up to 2x); on "cuda" one exact allocation pinned by cudaHostRegister; on "cpu" one exact
     pageable allocation. Ranks are laid out megatron's default "tp-cp-ep-dp-pp" (pp outermost):
     rank r is in stage r // (world / pp); a node holds devices_per_node consecutive ranks, and the
-    worst node is reported.
+    worst node is reported. Every node also holds the rollout's sleep-mode weight copies
+    (``rollout_host_bytes_per_node``, computed by verl_npu.preflight.rollout): on Ascend verl sleeps vLLM
+    at level 1, which keeps a pinned copy of each rollout rank's weight allocations while the actor trains.
   * ``overhead_bytes`` (default 2 GiB) stands for the runtime's own allocations: communication
     buffers, kernel workspaces, allocator fragmentation. It is a knob, not a measurement.
 """
@@ -264,6 +266,13 @@ class MemoryEstimate:
     worst_node_stages: tuple[int, ...]
     host_capacity_bytes: int | None = None
     platform: str = "ascend"  # whose offload arenas host_bytes counts
+    # pinned host RAM of the rollout's sleep-mode weight copies on every node (verl_npu.preflight.rollout)
+    rollout_host_bytes_per_node: int = 0
+
+    @property
+    def node_host_bytes(self) -> int:
+        """Host RAM of the busiest node: the actor's offload arenas and the rollout's sleep-mode weight copies."""
+        return self.host_bytes_per_node + self.rollout_host_bytes_per_node
 
     def rollout_bytes(self, stage: StageEstimate) -> int:
         return stage.floor_bytes + self.rollout_reserved_bytes
@@ -281,7 +290,7 @@ class MemoryEstimate:
         if self.capacity_bytes is None:
             return None
         device = all(v is None or v >= 0 for s in self.stages for v in self.headroom(s).values())
-        host = self.host_capacity_bytes is None or self.host_bytes_per_node <= self.host_capacity_bytes
+        host = self.host_capacity_bytes is None or self.node_host_bytes <= self.host_capacity_bytes
         return device and host
 
     def to_dict(self) -> dict:
@@ -289,6 +298,8 @@ class MemoryEstimate:
             "capacity_bytes": self.capacity_bytes,
             "rollout_reserved_bytes": self.rollout_reserved_bytes,
             "host_bytes_per_node": self.host_bytes_per_node,
+            "rollout_host_bytes_per_node": self.rollout_host_bytes_per_node,
+            "node_host_bytes": self.node_host_bytes,
             "worst_node": self.worst_node,
             "worst_node_stages": list(self.worst_node_stages),
             "host_capacity_bytes": self.host_capacity_bytes,
@@ -313,8 +324,11 @@ class MemoryEstimate:
                 f"{gib(s.train_bytes)} {gib(s.floor_bytes)}"
             )
         lines += [s.index_share.layout(s.stage) for s in self.stages if s.index_share and s.index_share.shared_layers]
-        lines.append(f"host RAM, worst node {self.worst_node} (stages {list(self.worst_node_stages)}): "
-                     f"{self.host_bytes_per_node / GiB:.1f} GiB; fits: {self.fits}")  # fmt: skip
+        lines.append(
+            f"host RAM, worst node {self.worst_node} (stages {list(self.worst_node_stages)}): "
+            f"{self.host_bytes_per_node / GiB:.1f} GiB offloaded + "
+            f"{self.rollout_host_bytes_per_node / GiB:.1f} GiB rollout sleep copies; fits: {self.fits}"
+        )
         return "\n".join(lines)
 
 
@@ -551,8 +565,10 @@ def estimate(
     overhead_bytes: int = 2 * GiB,
     host_capacity_bytes: int | None = None,
     platform: str = "ascend",
+    rollout_host_bytes_per_node: int = 0,
 ) -> MemoryEstimate:
-    """``platform`` ("ascend", "cuda" or "cpu") decides how much host RAM an offload arena takes."""
+    """``platform`` ("ascend", "cuda" or "cpu") decides how much host RAM an offload arena takes;
+    ``rollout_host_bytes_per_node``: the rollout's sleep-mode copies on every node (verl_npu.preflight.rollout)."""
     if platform not in PLATFORMS:
         raise ValueError(f"platform {platform!r}: use one of {', '.join(PLATFORMS)}")
     p, prec = parallelism or Parallelism(), precision or Precision()
@@ -643,6 +659,7 @@ def estimate(
         worst_node_stages=p.node_stages()[worst],
         host_capacity_bytes=host_capacity_bytes,
         platform=platform,
+        rollout_host_bytes_per_node=rollout_host_bytes_per_node,
     )
 
 

@@ -31,11 +31,13 @@ def estimate_launch(
     plan: BuildPlan,
     target: Target,
     host_memory_gib: float | None = None,
+    rollout_host_bytes_per_node: int = 0,
 ) -> tuple[MemoryEstimate, list[Check]]:
     """The actor's memory on ``target``, built the way ``plan`` (the actor's build plan) says.
 
     ``values`` is the launch's typed view (a Megatron actor); ``host_memory_gib``: host RAM per node (None: not
-    checked; a given value is > 0, as the CLI and run_preflight parse it).
+    checked; a given value is > 0, as the CLI and run_preflight parse it); ``rollout_host_bytes_per_node``: the
+    rollout's sleep-mode weight copies on every node (verl_npu.preflight.rollout).
     """
     actor = values.actor
     if actor is None:
@@ -52,6 +54,7 @@ def estimate_launch(
         rollout_gpu_memory_utilization=values.rollout.gpu_memory_utilization if colocated else None,
         host_capacity_bytes=int(host_memory_gib * GiB) if host_memory_gib is not None else None,
         platform=plan.platform,
+        rollout_host_bytes_per_node=rollout_host_bytes_per_node,
     )
     return result, memory_checks(result, offload, target.chip)
 
@@ -137,14 +140,14 @@ def memory_checks(result: MemoryEstimate, offload: Offload, chip: str) -> list[C
                     f"{gib(capacity)}; {hint}",
                 )
             )
-    host = result.host_bytes_per_node
+    host = result.node_host_bytes
     if result.host_capacity_bytes is not None and host > result.host_capacity_bytes:
         checks.append(
             Check(
                 "memory.host",
                 FAIL,
-                f"node {result.worst_node} (stages {list(result.worst_node_stages)}) needs {gib(host)} of host RAM for "
-                f"offloaded state, more than its {gib(result.host_capacity_bytes)}",
+                f"node {result.worst_node} (stages {list(result.worst_node_stages)}) needs {gib(host)} of host RAM "
+                f"({_host_parts(result)}), more than its {gib(result.host_capacity_bytes)}",
             )
         )
     if not checks:
@@ -154,7 +157,7 @@ def memory_checks(result: MemoryEstimate, offload: Offload, chip: str) -> list[C
                 "memory.fits",
                 OK,
                 f"peak {gib(worst.train_bytes)} of {gib(capacity)} per device (stage {worst.stage}); host RAM "
-                f"{gib(host)} on the busiest node",
+                f"{gib(host)} on the busiest node ({_host_parts(result)})",
             )
         )
         if result.host_capacity_bytes is None and host:
@@ -162,3 +165,11 @@ def memory_checks(result: MemoryEstimate, offload: Offload, chip: str) -> list[C
                 Check("memory.host", WARN, "host RAM per node not checked: pass --host-memory-gib for your nodes")
             )
     return checks
+
+
+def _host_parts(result: MemoryEstimate) -> str:
+    gib = lambda b: f"{b / GiB:.1f} GiB"  # noqa: E731
+    return (
+        f"{gib(result.host_bytes_per_node)} of offloaded actor state, {gib(result.rollout_host_bytes_per_node)} of "
+        "the rollout's sleep-mode weight copies"
+    )

@@ -34,6 +34,7 @@ from verl_npu.inputs import MAX_EXPERTS, MAX_HEADS, MAX_HIDDEN, MAX_LAYERS, MAX_
 from verl_npu.preflight.values import InputErrors, Reader
 
 MAX_CONFIG_BYTES = 16 * MIB  # a model's config.json
+MAX_POSITIONS = 1 << 40  # max_position_embeddings: a declared limit, not a sequence preflight builds
 
 KNOWN_TYPES = ("llama", "qwen2", "qwen3", "qwen3_moe", "deepseek_v3", "glm_moe_dsa")
 GLM5_NAMES, GLM5_2_NAMES = ("glm5", "glm-5"), ("glm5.2", "glm-5.2")
@@ -106,6 +107,9 @@ class ModelShape:
     indexer_full: tuple[bool, ...] = ()
     # the engine runs the layers through IndexShare (verl_npu.engine.index_share): every glm_moe_dsa model
     index_share: bool = False
+    # the longest sequence the config declares (None: it declares none); verl's rollout passes it to vLLM as
+    # max_model_len when actor_rollout_ref.rollout.max_model_len is unset (verl_npu.preflight.rollout)
+    max_position_embeddings: int | None = None
 
     @property
     def mla(self) -> bool:
@@ -259,6 +263,7 @@ class ModelShape:
             proj_bias=bool(bias),
             mlp_bias=flag("mlp_bias", False),
             qk_layernorm=model_type in ("qwen3", "qwen3_moe") or flag("qk_layernorm", False),
+            max_position_embeddings=size("max_position_embeddings", None),
         )
         counts = [size(key, None) for key in EXPERT_COUNT_KEYS]  # the first one set counts, as transformers reads them
         experts = next((n for n in counts if n), 0)
@@ -312,6 +317,7 @@ SIZES: dict[str, tuple[int, int]] = {
     "index_topk": (0, MAX_TOKENS),
     "index_n_heads": (0, MAX_HEADS),
     "index_head_dim": (0, MAX_HIDDEN),
+    "max_position_embeddings": (1, MAX_POSITIONS),
 }
 BOOLEANS = ("gated_linear_unit", "tie_word_embeddings", "attention_bias", "mlp_bias", "qk_layernorm")
 LAYER_LISTS = ("mlp_layer_types", "indexer_types", "layer_types", "mlp_only_layers")  # at most one entry a layer

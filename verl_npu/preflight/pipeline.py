@@ -169,6 +169,7 @@ def _check(
         return
     plans = build_plans(report, resolved, values, hf, request.target)
     actor_mesh = mesh(report, values, shape)
+    rollout_host = rollout(report, values, shape, launch_env, request.target)
     if values.actor is None:
         report.checks.append(
             Check(
@@ -179,7 +180,7 @@ def _check(
             )
         )
     elif actor_mesh is not None and "actor" in plans:
-        memory(report, values, shape, actor_mesh, plans["actor"], request)
+        memory(report, values, shape, actor_mesh, plans["actor"], request, rollout_host)
 
 
 def _prefetch() -> None:
@@ -188,7 +189,8 @@ def _prefetch() -> None:
     import rich.table  # noqa: F401
 
     import verl_npu.engine.build_plan
-    import verl_npu.preflight.memory_plan  # noqa: F401
+    import verl_npu.preflight.memory_plan
+    import verl_npu.preflight.rollout  # noqa: F401
 
 
 # --- the steps, in order ---------------------------------------------------------------------------------------
@@ -324,6 +326,22 @@ def mesh(report: PreflightReport, values: LaunchValues, shape: ModelShape) -> Tr
     return None if failed(checks) else actor_mesh
 
 
+def rollout(
+    report: PreflightReport, values: LaunchValues, shape: ModelShape, env: Mapping[str, str], where: Target
+) -> int:
+    """The vLLM rollout: its KV cache fit, graph capture vs the weight sync, and the host RAM its sleep-mode
+    weight copies take on a node (returned; 0 when not computed). Not computed when the rollout's mesh failed."""
+    from verl_npu.preflight.rollout import rollout_checks
+
+    if any(c.check in ("mesh.rollout-replica", "mesh.rollout-ep") and c.status == FAIL for c in report.checks):
+        return 0
+    v = values
+    report.rollout, checks = rollout_checks(shape, v.rollout, env, where.hbm_bytes, v.n_gpus_per_node,
+                                            v.max_prompt_length, v.max_response_length, where.platform)  # fmt: skip
+    report.checks += checks
+    return report.rollout.host_bytes_per_node if report.rollout is not None else 0
+
+
 def memory(
     report: PreflightReport,
     values: LaunchValues,
@@ -331,9 +349,12 @@ def memory(
     actor_mesh: TrainMesh,
     plan: BuildPlan,
     request: _Request,
+    rollout_host_bytes_per_node: int = 0,
 ) -> None:
-    """The actor's HBM per pipeline stage and host RAM per node, as its build plan builds it on the target."""
+    """The actor's HBM per pipeline stage and host RAM per node (with the rollout's sleep-mode copies), as its build
+    plan builds it on the target."""
     from verl_npu.preflight.memory_plan import estimate_launch
 
-    report.memory, checks = estimate_launch(values, shape, actor_mesh, plan, request.target, request.host_memory_gib)
+    report.memory, checks = estimate_launch(values, shape, actor_mesh, plan, request.target, request.host_memory_gib,
+                                            rollout_host_bytes_per_node)  # fmt: skip
     report.checks += checks

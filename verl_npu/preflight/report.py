@@ -23,6 +23,7 @@ class PreflightReport:
     overrides: list[str]
     model: dict[str, Any] | None = None
     memory: Any = None  # verl_npu.preflight.memory.MemoryEstimate
+    rollout: Any = None  # verl_npu.preflight.rollout.RolloutEstimate
     model_origin: str | None = None  # FROM_MODEL_CONFIG, FROM_MODEL_PATH, FROM_BESIDE_SCRIPT or FROM_NAME
 
     @property
@@ -40,6 +41,7 @@ class PreflightReport:
             "model": self.model,
             "model_origin": self.model_origin,
             "memory": self.memory.to_dict() if self.memory is not None else None,
+            "rollout": self.rollout.to_dict() if self.rollout is not None else None,
         }
 
 
@@ -81,8 +83,9 @@ def memory_table(report: PreflightReport) -> Table | None:
             roll,
             gib(stage.host_bytes),
         )
-    host = f"host RAM: {gib(memory.host_bytes_per_node)} GiB on the busiest node (node {memory.worst_node}"
-    host += f", stages {list(memory.worst_node_stages)})"
+    host = f"host RAM: {gib(memory.node_host_bytes)} GiB on the busiest node (node {memory.worst_node}"
+    host += f", stages {list(memory.worst_node_stages)}: {gib(memory.host_bytes_per_node)} offloaded actor state + "
+    host += f"{gib(memory.rollout_host_bytes_per_node)} rollout sleep-mode copies)"
     if memory.host_capacity_bytes:
         host += f" of {gib(memory.host_capacity_bytes)} GiB"
     table.caption = host + f"; rollout phase = offload floor + vLLM's {gib(memory.rollout_reserved_bytes)} GiB"

@@ -217,6 +217,11 @@ class MegatronRole:
 
 @dataclasses.dataclass(frozen=True)
 class RolloutValues:
+    """The rollout's settings as vLLM receives them: verl 0.9.1's vLLM server passes its own arguments, then
+    ``engine_kwargs.vllm`` over them (a key there wins), and ``compilation_config`` from ``engine_kwargs.vllm``
+    with ``cudagraph_mode`` defaulting to FULL_AND_PIECEWISE (verl/workers/rollout/vllm_rollout/
+    vllm_async_server.py, ``launch_server``). Each ``*_key`` names the key the value came from, for messages."""
+
     name: str | None
     tp: int
     dp: int
@@ -224,6 +229,26 @@ class RolloutValues:
     ep: int
     n: int  # responses per prompt
     gpu_memory_utilization: float
+    gpu_memory_utilization_key: str = "actor_rollout_ref.rollout.gpu_memory_utilization"
+    max_model_len: int | None = None  # None: verl passes the model's max_position_embeddings
+    max_model_len_key: str = "actor_rollout_ref.rollout.max_model_len"
+    dtype: str = "bf16"  # the rollout's weights and KV cache (canonical, verl_npu.dtypes)
+    enforce_eager: bool = False
+    cudagraph_mode: str = "FULL_AND_PIECEWISE"  # vLLM's CUDAGraphMode name, upper case
+    enable_sleep_mode: bool = True
+    free_cache_engine: bool = True
+    block_size: int | None = None  # engine_kwargs.vllm.block_size (None: the platform's)
+    enable_prefix_caching: bool = True
+    enable_chunked_prefill: bool = True
+    mtp_rollout: bool = False  # actor_rollout_ref.rollout.mtp: the rollout drafts with the model's MTP layer
+    # vllm-ascend's additional_config entries that win over their environment variables (None: not given)
+    enable_fused_mc2: int | None = None
+    weight_nz_mode: int | None = None
+
+    @property
+    def graphs(self) -> bool:
+        """Whether vLLM captures device graphs: enforce_eager turns every cudagraph_mode into NONE."""
+        return not self.enforce_eager and self.cudagraph_mode != "NONE"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -326,7 +351,28 @@ def read_model_path(config: Any) -> tuple[str | None, list[Check]]:
     return path, r.checks()
 
 
+CUDAGRAPH_MODES = ("NONE", "PIECEWISE", "FULL", "FULL_DECODE_ONLY", "FULL_AND_PIECEWISE")  # vLLM's CUDAGraphMode
+VERL_CUDAGRAPH_MODE = "FULL_AND_PIECEWISE"  # what verl 0.9.1's vLLM server sets when compilation_config has none
+ENGINE = f"{ROLLOUT}.engine_kwargs.vllm"
+
+
 def _rollout(r: Reader) -> RolloutValues | None:
+    engine = r.section(ENGINE, default={})
+
+    def engine_or(key: str, read: Callable[..., Any], *args: Any, default: Any) -> tuple[Any, str]:
+        """engine_kwargs.vllm.<key> when it is there (verl passes it over its own argument), else rollout.<key>."""
+        if engine is not None and engine.get(key) is not None:
+            return read(f"{ENGINE}.{key}", *args), f"{ENGINE}.{key}"
+        return read(f"{ROLLOUT}.{key}", *args, default=default), f"{ROLLOUT}.{key}"
+
+    utilization, utilization_key = engine_or("gpu_memory_utilization", r.number, 0.0, 1.0, default=0.0)
+    max_len, max_len_key = engine_or("max_model_len", r.integer, 1, MAX_TOKENS, default=None)
+    eager, _ = engine_or("enforce_eager", r.boolean, default=False)
+    compilation = r.value(f"{ENGINE}.compilation_config", _compilation_config, default={})
+    mode = compilation.get("cudagraph_mode") if compilation is not None else None
+    mtp = r.section(f"{ROLLOUT}.mtp", default={}) or {}
+    mtp_on = bool(mtp.get("enable") is True and mtp.get("enable_rollout") is True)
+    additional = r.section(f"{ENGINE}.additional_config", default={})
     values = dict(
         name=r.text(f"{ROLLOUT}.name", default=None, max_length=64),
         tp=r.integer(f"{ROLLOUT}.tensor_model_parallel_size", 1, MAX_PARALLEL, default=1),
@@ -334,9 +380,47 @@ def _rollout(r: Reader) -> RolloutValues | None:
         pp=r.integer(f"{ROLLOUT}.pipeline_model_parallel_size", 1, MAX_PARALLEL, default=1),
         ep=r.integer(f"{ROLLOUT}.expert_parallel_size", 1, MAX_PARALLEL, default=1),
         n=r.integer(f"{ROLLOUT}.n", 1, MAX_BATCH, default=1),
-        gpu_memory_utilization=r.number(f"{ROLLOUT}.gpu_memory_utilization", 0.0, 1.0, default=0.0),
+        gpu_memory_utilization=utilization,
+        gpu_memory_utilization_key=utilization_key,
+        max_model_len=max_len,
+        max_model_len_key=max_len_key,
+        dtype=r.dtype(f"{ROLLOUT}.dtype", "bf16"),
+        enforce_eager=eager,
+        cudagraph_mode=mode or VERL_CUDAGRAPH_MODE,
+        enable_sleep_mode=r.boolean(f"{ROLLOUT}.enable_sleep_mode", default=True),
+        free_cache_engine=r.boolean(f"{ROLLOUT}.free_cache_engine", default=True),
+        block_size=r.integer(f"{ENGINE}.block_size", 1, MAX_TOKENS, default=None),
+        enable_prefix_caching=engine_or("enable_prefix_caching", r.boolean, default=True)[0],
+        enable_chunked_prefill=engine_or("enable_chunked_prefill", r.boolean, default=True)[0],
+        mtp_rollout=mtp_on,
+        enable_fused_mc2=r.integer(f"{ENGINE}.additional_config.enable_fused_mc2", 0, 2, default=None),
+        weight_nz_mode=r.integer(f"{ENGINE}.additional_config.weight_nz_mode", 0, 2, default=None),
     )
-    return None if any(v is None for k, v in values.items() if k != "name") else RolloutValues(**values)
+    optional = ("name", "max_model_len", "block_size", "enable_fused_mc2", "weight_nz_mode")
+    if compilation is None or additional is None or engine is None:
+        return None
+    return None if any(v is None for k, v in values.items() if k not in optional) else RolloutValues(**values)
+
+
+def _compilation_config(key: str, value: Any) -> Mapping[str, Any]:
+    """vLLM's compilation_config as verl passes it (a mapping, or JSON text it decodes): its cudagraph_mode
+    upper-cased as vLLM parses it (vllm/config/compilation.py), one of :data:`CUDAGRAPH_MODES`."""
+    import json
+
+    allowed = f"a mapping (or its JSON text) whose cudagraph_mode is one of {', '.join(CUDAGRAPH_MODES)}"
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except (ValueError, RecursionError):
+            raise InputError(key, value, allowed) from None
+    if not isinstance(value, Mapping):
+        raise InputError(key, value, allowed)
+    mode = value.get("cudagraph_mode")
+    if mode is None:
+        return {}
+    if not isinstance(mode, str) or mode.upper() not in CUDAGRAPH_MODES:
+        raise InputError(f"{key}.cudagraph_mode", mode, f"one of {', '.join(CUDAGRAPH_MODES)}")
+    return {"cudagraph_mode": mode.upper()}
 
 
 def _megatron_role(r: Reader, role: str) -> MegatronRole | None:

@@ -15,6 +15,7 @@ from verl_npu.runtime_patches import (
     dsa_local_spec,
     dsa_sparse_attention,
     mbridge_glm5,
+    mindspeed_dsa_cp_config,
     ray_runtime_env,
     rope_cpu_init,
 )
@@ -22,6 +23,7 @@ from verl_npu.runtime_patches import (
 # in the order the layer applies them
 MODULES = (
     ray_runtime_env,
+    mindspeed_dsa_cp_config,
     dsa_indexer_rotation,
     dsa_call_context,
     dsa_sparse_attention,

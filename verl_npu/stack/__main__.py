@@ -29,6 +29,11 @@ def _parser() -> argparse.ArgumentParser:
     show = sub.add_parser("json", help="print the validated manifest as JSON")
     show.add_argument("--manifest", default=str(MANIFEST_PATH))
     sub.add_parser("detect-target", help="print this node's target (a2, a3 or dev) from npu-smi")
+    build = sub.add_parser(
+        "build-requires", help="print a checkout's [build-system] requires, one a line (a build without isolation)"
+    )
+    build.add_argument("pyproject", help="the checkout's pyproject.toml")
+    build.add_argument("--skip", default="", help="comma-separated distributions to leave out (the stack has them)")
     drift = sub.add_parser(
         "drift", help="every reference in a checkout that disagrees with the manifest (exit 1 if any)"
     )
@@ -68,7 +73,12 @@ def _manifest_command(args: argparse.Namespace) -> int:
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     try:
-        if args.command == "detect-target":
+        if args.command == "build-requires":
+            from verl_npu.stack.build_requires import build_requirements
+
+            for requirement in build_requirements(args.pyproject, [n for n in args.skip.split(",") if n]):
+                print(requirement)
+        elif args.command == "detect-target":
             # install.sh bounds this with `timeout`, whose SIGTERM must still end npu-smi's process group
             # (verl_npu.processes ends it when the wait is interrupted by an exception)
             signal.signal(signal.SIGTERM, _exit_on_sigterm)

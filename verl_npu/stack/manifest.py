@@ -80,6 +80,11 @@ class GitComponent:
     version: str | None = None
     import_name: str | None = None
     patches: tuple[str, ...] = ()  # applied to the checkout (git apply --check first) before it is installed
+    # False: install.sh installs the [build-system] requirements of the checkout's pyproject.toml, except
+    # `build_requires_skip`, under the stack's constraints, then builds the component in this environment
+    # (pip --no-build-isolation) instead of an isolated one that would fetch them (vLLM's pins another torch).
+    build_isolation: bool = True
+    build_requires_skip: tuple[str, ...] = ()
 
     @property
     def verified(self) -> bool:
@@ -251,9 +256,34 @@ def _load_package(path: Path, name: str, data: Any) -> Package:
     )
 
 
+def _build_fields(t: _Table) -> tuple[bool, tuple[str, ...]]:
+    """The optional `build_isolation` (a boolean) and `build_requires_skip` (distribution names; without isolation)."""
+    isolation = t.data.get("build_isolation", True)
+    if not isinstance(isolation, bool):
+        t.fail("build_isolation", f"must be true or false, found {_show(isolation)}")
+    skip = t.data.get("build_requires_skip", [])
+    if (
+        not isinstance(skip, list)
+        or len(skip) > MAX_ENTRIES
+        or not all(isinstance(s, str) and len(s) <= MAX_STRING and _DIST_RE.match(s) for s in skip)
+    ):
+        t.fail("build_requires_skip", f"must be a list of distribution names, found {_show(skip)}")
+    if len(set(skip)) != len(skip):
+        t.fail("build_requires_skip", f"lists a distribution twice: {_show(skip)}")
+    if skip and isolation:
+        t.fail(
+            "build_requires_skip",
+            "applies only to a build without isolation: add `build_isolation = false` or remove the key",
+        )
+    return isolation, tuple(skip)
+
+
 def _load_git(path: Path, name: str, data: Any) -> GitComponent:
     t = _Table(path, f"git.{name}", data)
-    t.check_keys({"url", "ref", "commit", "targets", "install"}, {"version", "import_name", "patches"})
+    t.check_keys(
+        {"url", "ref", "commit", "targets", "install"},
+        {"version", "import_name", "patches", "build_isolation", "build_requires_skip"},
+    )
     commit = t.string("commit")
     if commit != UNVERIFIED and not _SHA_RE.match(commit):
         t.fail(
@@ -263,6 +293,7 @@ def _load_git(path: Path, name: str, data: Any) -> GitComponent:
     install = t.string("install")
     if install not in GIT_INSTALL_KINDS:
         t.fail("install", f"must be one of {', '.join(GIT_INSTALL_KINDS)}, found {_show(install)}")
+    build_isolation, build_requires_skip = _build_fields(t)
     return GitComponent(
         name=name,
         url=t.url("url"),
@@ -273,6 +304,8 @@ def _load_git(path: Path, name: str, data: Any) -> GitComponent:
         version=t.optional_string("version", _VERSION_RE, "a PEP 440 version"),
         import_name=t.optional_string("import_name"),
         patches=_patches(t),
+        build_isolation=build_isolation,
+        build_requires_skip=build_requires_skip,
     )
 
 

@@ -53,6 +53,9 @@ def _git_step(comp) -> Step:
         fields["version"] = comp.version
     if comp.patches:
         fields["patches"] = ",".join(comp.patches)
+    if not comp.build_isolation:
+        fields["build_isolation"] = "false"
+        fields["build_requires_skip"] = ",".join(comp.build_requires_skip)
     return Step("git", comp.name, fields)
 
 

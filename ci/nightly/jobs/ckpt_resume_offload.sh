@@ -46,6 +46,7 @@ python3 -m verl.trainer.main_ppo --config-name=ppo_megatron_trainer \
     actor_rollout_ref.ref.megatron.vanilla_mbridge=True \
     actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu=8 \
     actor_rollout_ref.rollout.name=vllm \
+    actor_rollout_ref.rollout.calculate_log_probs=True \
     actor_rollout_ref.rollout.n=4 \
     actor_rollout_ref.rollout.tensor_model_parallel_size=2 \
     actor_rollout_ref.rollout.gpu_memory_utilization=0.6 \

@@ -43,6 +43,7 @@ from mbridge.core.safetensor_io import SafeTensorIO
 from mbridge.core.util import unwrap_model
 from mbridge.models.deepseek_v3 import DeepseekV3Bridge
 
+from verl_npu import platform as _platform
 from verl_npu.contracts.vllm import moe_layers as vllm_moe_layers
 from verl_npu.contracts.vllm_ascend import layers_without_indexer
 from verl_npu.engine.bridges.absorbed_mla import merge_kv_b_proj, split_kv_b_proj
@@ -89,6 +90,26 @@ def _reorder_rows(tensor: torch.Tensor, order: torch.Tensor) -> torch.Tensor:
     return blocks[:, order.to(tensor.device)].reshape(tensor.shape)
 
 
+class _EachNameOnce:
+    """A reader that takes a name asked for twice as one request.
+
+    Under MindSpeed's absorbed MLA, linear_k_up_proj and linear_v_up_proj both come from one HF tensor
+    (kv_b_proj), so mbridge's loader asks for it twice per layer; mbridge's reader of a checkpoint without an index
+    file counts the names and refuses the repeat ("Weights set() not found"), which stopped every absorbed-MLA load
+    from a single-file checkpoint (the parity job's, a model saved by save_pretrained without shards)."""
+
+    def load_some_hf_weight(self, hf_weight_names: list[str]) -> dict:
+        return super().load_some_hf_weight(list(dict.fromkeys(hf_weight_names)))
+
+
+class _Reader(_EachNameOnce, SafeTensorIO):
+    pass
+
+
+class _BlockFP8Reader(_EachNameOnce, BlockFP8SafeTensorIO):
+    pass
+
+
 class GLM5Bridge(DeepseekV3Bridge):
     """Bridge for ``GlmMoeDsaForCausalLM`` (GLM-5, GLM-5.1, GLM-5.2): DeepSeek-V3's tables plus DSA."""
 
@@ -119,7 +140,7 @@ class GLM5Bridge(DeepseekV3Bridge):
 
     # --- config ------------------------------------------------------------------------------
     def _build_config(self):
-        return self._build_base_config(**glm5_config_fields(self.hf_config))
+        return self._build_base_config(**glm5_config_fields(self.hf_config, _platform.detect()))
 
     def _get_gptmodel_args(self) -> dict:
         return dict(
@@ -154,9 +175,10 @@ class GLM5Bridge(DeepseekV3Bridge):
 
     def _get_safetensor_io(self, weights_path: str):
         """mbridge's reader; for an FP8 checkpoint (``*_scale_inv`` tensors, with or without an index file)
-        one that dequantises to bf16 on the CPU (see verl_npu.engine.bridges.fp8_safetensors)."""
+        one that dequantises to bf16 on the CPU (see verl_npu.engine.bridges.fp8_safetensors). Either reads each
+        requested name once (see :class:`_EachNameOnce`)."""
         path = self._get_actual_hf_path(weights_path)
-        return BlockFP8SafeTensorIO(path) if is_fp8_block_scaled(path) else SafeTensorIO(path)
+        return _BlockFP8Reader(path) if is_fp8_block_scaled(path) else _Reader(path)
 
     # --- names -------------------------------------------------------------------------------
     def _weight_name_mapping_mcore_local_to_global(self, model, consider_ep: bool = True) -> dict[str, str]:

@@ -8,10 +8,9 @@ as FP8 (e4m3, 128x128 block scales). Checked here:
   parameters, and neither their (absent) indexer tensors nor the MTP layer's are read; the MTP layer
   is said once per load;
 * FP8: the checkpoint loads to the dequantised bf16 values exactly, with or without an index file;
-* the rollout: what ``get_per_tensor_param`` streams to vLLM is exactly the (name, shape) set vLLM
-  0.23.0's ``load_weights`` consumes for this config with vllm-ascend's GLM-5 patch, derived from the
-  recorded facts (verl_npu/contracts/vllm.py, vllm_ascend.py), and every parameter vLLM builds gets a
-  tensor;
+* the rollout: what ``get_per_tensor_param`` streams to vLLM is the checkpoint's trained tensors (no MTP
+  layer, no indexer on shared layers); that vLLM loads it, every parameter, into vllm-ascend's model is
+  executed in tests_npu/test_vllm_load_weights.py (network and ascend_sim tiers);
 * the config: GLM-5.2's router dtype, RoPE theta and 1M positions (examples/glm5_2/config.json).
 """
 
@@ -20,7 +19,6 @@ from __future__ import annotations
 import collections
 import json
 import logging
-import re
 from pathlib import Path
 
 import pytest
@@ -271,7 +269,7 @@ def test_an_fp8_checkpoint_loads_to_the_dequantised_values_exactly(engine, fp8_c
         engine.bridge.load_weights(engine.module, str(glm5_2[0]))  # the other tests' bf16 weights
 
 
-# --- the rollout: what vLLM loads ----------------------------------------------------------------------
+# --- the rollout: what the engine exports --------------------------------------------------------------
 
 
 def test_export_gives_back_every_trained_tensor_and_nothing_else(exported, checkpoint, trained, glm5_2):
@@ -281,89 +279,6 @@ def test_export_gives_back_every_trained_tensor_and_nothing_else(exported, check
     assert not [n for n in exported if n.startswith(shared_indexer_prefixes(glm5_2[1]))]
     for name, tensor in exported.items():
         assert torch.equal(tensor, checkpoint[name].to(tensor.dtype)), name
-
-
-def vllm_consumed(config, checkpoint: dict[str, torch.Tensor]) -> dict[str, tuple[int, ...]]:
-    """(name -> shape) of the checkpoint tensors vLLM 0.23.0 loads into GLM-5.2's model under vllm-ascend, from the
-    recorded facts: the main model skips MTP layers and rotary buffers (vllm-deepseek-v2-weight-names,
-    vllm-deepseek-v2-mtp-layers-follow-the-decoder) and has no indexer on the layers vllm-ascend builds without
-    one (vllm-ascend-glm5-shared-layers-have-no-indexer)."""
-    from verl_npu.contracts.vllm import SKIPPED_SUBSTRINGS
-    from verl_npu.contracts.vllm_ascend import layers_without_indexer
-
-    mtp = tuple(f"model.layers.{config.num_hidden_layers + i}." for i in range(config.num_nextn_predict_layers))
-    no_indexer = tuple(f"model.layers.{i}.self_attn.indexer." for i in layers_without_indexer(config))
-    return {
-        name: tuple(tensor.shape)
-        for name, tensor in checkpoint.items()
-        if not name.startswith(mtp + no_indexer) and not any(s in name for s in SKIPPED_SUBSTRINGS)
-    }
-
-
-def vllm_parameter(name: str) -> str:
-    """The vLLM parameter DeepseekV2Model.load_weights loads a checkpoint name into (STACKED_PARAMETERS, then
-    FusedMoE's expert mapping, else the name itself)."""
-    from verl_npu.contracts.vllm import EXPERT_PARAMETERS, STACKED_PARAMETERS
-
-    if expert := re.search(r"experts\.\d+\.(gate_proj|up_proj|down_proj)\.", name):
-        return name[: expert.start()] + EXPERT_PARAMETERS[expert[1]] + name[expert.end() :]
-    for parameter, part, _ in STACKED_PARAMETERS:
-        if part in name:
-            return name.replace(part, parameter)
-    return name
-
-
-def vllm_parameters(config) -> set[str]:
-    """The parameters vLLM (with vllm-ascend's GLM-5 layers) builds for this config, from the recorded facts."""
-    from verl_npu.contracts import vllm
-    from verl_npu.contracts.vllm_ascend import MLA_PARAMETERS, layers_without_indexer
-
-    names = set(vllm.MODEL_PARAMETERS)
-    no_indexer = set(layers_without_indexer(config))
-    for i in range(config.num_hidden_layers):
-        layer = f"model.layers.{i}."
-        names |= {layer + n for n in vllm.DECODER_LAYER_NORMS}
-        names |= {f"{layer}self_attn.{n}" for n in MLA_PARAMETERS}
-        if i not in no_indexer:
-            names |= {f"{layer}self_attn.indexer.{n}" for n in vllm.INDEXER_PARAMETERS}
-        moe = i >= config.first_k_dense_replace and i % getattr(config, "moe_layer_freq", 1) == 0
-        if not moe:
-            names |= {f"{layer}mlp.{n}" for n in vllm.MLP_PARAMETERS}
-            continue
-        names |= {f"{layer}mlp.{n}" for n in vllm.MOE_PARAMETERS}
-        if getattr(config, "topk_method", None) == vllm.ROUTER_BIAS_TOPK_METHOD:
-            names.add(f"{layer}mlp.gate.e_score_correction_bias")
-        if config.n_shared_experts:
-            names |= {f"{layer}mlp.shared_experts.{n}" for n in vllm.MLP_PARAMETERS}
-    return names
-
-
-def test_the_export_is_exactly_what_vllm_loads_for_glm5_2(exported, checkpoint, glm5_2):
-    """Under verl's load_format=dummy a parameter vLLM never receives stays random, and a name it has no
-    parameter for raises KeyError in load_weights: the export must be vLLM's set, names and shapes."""
-    config = glm5_2[1]
-    ours = {name: tuple(tensor.shape) for name, tensor in exported.items()}
-    theirs = vllm_consumed(config, checkpoint)
-    assert set(ours) == set(theirs), f"vLLM lacks {set(ours) - set(theirs)}, never gets {set(theirs) - set(ours)}"
-    assert ours == theirs, {n: (ours[n], theirs[n]) for n in ours if ours[n] != theirs[n]}
-    # every exported name lands on a parameter vLLM builds, and every such parameter gets one
-    assert {vllm_parameter(name) for name in ours} == vllm_parameters(config)
-
-
-def test_vllms_parameters_for_glm5_2_are_not_the_same_without_its_facts(glm5_2):
-    """The derivation above is sensitive to the facts it uses (a check on the check)."""
-    config = glm5_2[1]
-    every = vllm_parameters(config)
-    assert "model.layers.3.self_attn.indexer.wq_b.weight" not in every  # shared layer, no indexer
-    assert "model.layers.6.self_attn.indexer.wk_weights_proj.weight" in every  # full layer
-    assert "model.layers.0.mlp.gate_up_proj.weight" in every and "model.layers.1.mlp.experts.w13_weight" in every
-    assert "model.layers.1.mlp.gate.e_score_correction_bias" in every
-    assert vllm_parameter("model.layers.2.self_attn.indexer.weights_proj.weight") == (
-        "model.layers.2.self_attn.indexer.wk_weights_proj.weight"
-    )
-    assert vllm_parameter("model.layers.1.mlp.shared_experts.up_proj.weight") == (
-        "model.layers.1.mlp.shared_experts.gate_up_proj.weight"
-    )
 
 
 def rollout_warnings(config, caplog, calls: int = 3) -> list[str]:

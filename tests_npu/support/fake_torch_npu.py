@@ -9,6 +9,8 @@ something it would refuse fails here, and computes the documented result with pl
 fp32, differentiable where torch_npu registers a gradient. Only the BSND, non-paged forms the
 adapters use are covered. ``module()`` builds a ``torch_npu`` module for ``sys.modules``; its
 ``CALLS`` lists the operators that ran, so a test can tell the fused path from a fallback.
+``install_runtime()`` adds the device runtime that vllm-ascend's import path and verl's weight sync touch (one
+operator, device queries, names), for tests_npu/support/vllm_cpu.py's fresh interpreter.
 """
 
 from __future__ import annotations
@@ -291,4 +293,99 @@ def module() -> types.ModuleType:
                npu_sparse_lightning_indexer_grad_kl_loss):  # fmt: skip
         setattr(fake, fn.__name__, fn)
     fake.CALLS = CALLS
+    return fake
+
+
+# --- torch_npu's device runtime, as vllm-ascend's import path and verl's weight sync touch it ------------------------
+# tests_npu/support/vllm_cpu.py runs vLLM + vllm-ascend on the CPU over these. No NPU is visible there: what that code
+# only names (classes in annotations, functions it stores) exists and refuses to run; what it calls answers as
+# torch_npu does in a process that imports it and sees no device, or as rank 0 of a single-device job.
+
+ACL_FORMAT_ND, ACL_FORMAT_FRACTAL_NZ = 2, 29  # the acl_format codes vllm-ascend passes
+
+
+class NoNpuHere(RuntimeError):
+    """A torch_npu device facility ran: it needs an NPU, and none is visible here."""
+
+
+def refusing(qualified: str):
+    def refused(*args, **kwargs):
+        raise NoNpuHere(f"{qualified} needs an NPU; none is visible on this host (tests_npu/support/fake_torch_npu.py)")
+
+    refused.__name__ = refused.__qualname__ = qualified.rsplit(".", 1)[-1]
+    return refused
+
+
+def refusing_class(qualified: str) -> type:
+    return type(qualified.rsplit(".", 1)[-1], (), {"__init__": refusing(qualified)})
+
+
+def npu_format_cast(self, acl_format, *, customize_dtype=None, input_dtype=None):
+    """Stands in for ``torch_npu.npu_format_cast(self, acl_format) -> Tensor``.
+
+    A format cast changes how the NPU lays a tensor out in its memory (ND row-major, FRACTAL_NZ 16x16 tiles); its
+    shape and values, all a caller reads, stay ``self``'s, and a tensor already in that format comes back as is, which
+    is what the stand-in returns for any. Covered: plain casts to ND, or to FRACTAL_NZ of a >= 2-D tensor (the casts
+    vllm-ascend makes of unquantized weights); the dtype-changing forms are not.
+    """
+    CALLS.append("npu_format_cast")
+    _rule(customize_dtype is None and input_dtype is None, "the stand-in covers casts without customize/input dtype")
+    _rule(acl_format in (ACL_FORMAT_ND, ACL_FORMAT_FRACTAL_NZ), f"acl_format: ND or FRACTAL_NZ, not {acl_format}")
+    _rule(acl_format == ACL_FORMAT_ND or self.dim() >= 2, f"FRACTAL_NZ tiles 2-D data, got {self.dim()}-D")
+    return self
+
+
+def device_runtime() -> types.ModuleType:
+    """``torch_npu.npu``, which torch_npu also sets as ``torch.npu``, in a process without a visible NPU."""
+    npu = types.ModuleType("torch_npu.npu")
+    npu.is_available = lambda: False  # torch_npu imports, no device is visible
+    # the device index vllm-ascend's process groups record (GroupCoordinator.device): rank 0's, of one device
+    npu.current_device = lambda: 0
+    npu.synchronize = lambda device=None: None  # nothing was queued on a device (verl syncs around weight buckets)
+    npu.empty_cache = lambda: None  # nor cached on one
+    # classes vllm-ascend names in annotations and dataclass fields at import (streams, events, ACL graphs)
+    for name in ("Stream", "Event", "ExternalEvent", "NPUGraph"):
+        setattr(npu, name, refusing_class(f"torch.npu.{name}"))
+    # functions vllm-ascend's torch.accelerator patch stores
+    for name in ("memory_stats", "memory_reserved", "reset_peak_memory_stats"):
+        setattr(npu, name, refusing(f"torch.npu.{name}"))
+    memory = types.ModuleType("torch_npu.npu.memory")
+    # the return annotation of vllm-ascend's sleep-mode allocator factory
+    memory.NPUPluggableAllocator = refusing_class("torch.npu.memory.NPUPluggableAllocator")
+    npu.memory = memory
+    return npu
+
+
+def compiled_namespace() -> types.ModuleType:
+    """``torch_npu._C`` as far as vllm-ascend reaches into it: names only, and HCCL's process-group options."""
+    compiled = types.ModuleType("torch_npu._C")
+    compiled._NPUTaskGroupHandle = refusing_class("torch_npu._C._NPUTaskGroupHandle")  # ACL graph annotations
+    c10d = types.ModuleType("torch_npu._C._distributed_c10d")
+    # vllm-ascend builds one per process group and sets its hccl_config; the groups here are gloo's, which take none
+    c10d.ProcessGroupHCCL = type("ProcessGroupHCCL", (), {"Options": type("Options", (), {})})
+    compiled._distributed_c10d = c10d
+    return compiled
+
+
+def install_runtime() -> types.ModuleType:
+    """Make ``import torch_npu`` and ``torch.npu`` give the stand-ins, as importing torch_npu does on a node.
+
+    For a fresh interpreter only: torch's private-use device takes the name ``npu`` (torch_npu's backend
+    registration), which cannot be undone in that process.
+    """
+    import importlib.machinery
+    import sys
+
+    fake = module()
+    fake.npu_format_cast = npu_format_cast
+    fake.npu, fake._C = device_runtime(), compiled_namespace()
+    modules = {"torch_npu": fake, "torch_npu.npu": fake.npu, "torch_npu.npu.memory": fake.npu.memory,
+               "torch_npu._C": fake._C, "torch_npu._C._distributed_c10d": fake._C._distributed_c10d}  # fmt: skip
+    for name, value in modules.items():
+        value.__spec__ = importlib.machinery.ModuleSpec(name, None)  # find_spec() answers, as for an installed one
+        sys.modules[name] = value
+    fake.__path__ = []
+    torch.npu = fake.npu
+    torch.distributed.is_hccl_available = lambda: False  # torch_npu adds it; no HCCL here (process groups are gloo's)
+    torch.utils.rename_privateuse1_backend("npu")
     return fake

@@ -71,6 +71,22 @@ What executing it found, each fixed in verl-npu and tested:
   `dsa-sparse-attention`, `dsa-indexer-topk-eval`); its operators run there instead. The tests pin that set
   (`PatchEngine.displaced()`), so a new overlap shows.
 
+vLLM's loader, executed (`tests_npu/test_vllm_load_weights.py`, also `network`): vLLM 0.23.0 and
+vllm-ascend 0.23.0 from their PyPI sdists (the images install vLLM from its source tree, so the sdist's
+Python is what runs there), in a process of their own (`tests_npu/support/vllm_cpu.py`). Real: verl-npu's
+engine and GLM-5 bridge export (`get_per_tensor_param`, BF16); verl 0.9.1's bucketed sender and
+`update_weights_from_ipc` with its NPU and GLM-5.2 patches; vllm-ascend's platform, plugins, worker and
+platform patches (`patch_deepseek_v2` builds no indexer on shared layers, `patch_deepseek_mtp`), its
+Ascend layers (linear, norms, embeddings, MLA with SFA, fused MoE), vLLM's model loader, and SFA's and
+the fused MoE's `process_weights_after_loading`. Every vLLM parameter starts as NaN; after two syncs none
+is left and every parameter, the absorbed `W_UK_T` / `W_UV` included, equals vLLM's own load of the
+checkpoint byte for byte; a missing tensor, a shared layer's indexer or swapped K/V halves fail naming
+the parameter; without `VERL_VLLM_ASCEND_GLM52_PATCH` the second sync fails on the disposed `kv_b_proj`.
+Stand-ins there: torch_npu (`npu_format_cast` returns its input, device queries, names that refuse if
+called), CANN's `acl.rt.memcpy`, the A3 build info, host memory for NPU memory, gloo for HCCL, verl's
+shared-memory transport for NPU IPC, and the worker's model runner (model and config only). Not run:
+ATB, sleep mode, a forward pass; the export is the local-spec engine's, not MindSpeed's absorbed layout.
+
 Still stand-ins (`tests_npu/support/ascend_sim.py`), because they cannot exist off a node:
 
 - torch_npu's operators (`tests_npu/support/fake_torch_npu.py`: the registered signatures, the documented

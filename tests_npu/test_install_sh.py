@@ -64,9 +64,8 @@ def test_a3_dry_run_prints_every_pin_in_order_and_touches_nothing(tmp_path):
     assert (
         line_of("pip       torch==") + 1 == line_of("pip       torchvision==") == line_of("pip       torchaudio==") - 1
     )
-    for name in ("vllm-ascend", "mindspeed"):
-        for patch in stack.git[name].patches:
-            assert f"+ patches {patch}" in lines[line_of(f" {name} ")]
+    for name in ("vllm-ascend", "mindspeed"):  # every patch, in the manifest's order (the order install.sh applies)
+        assert f"+ patches {','.join(stack.git[name].patches)}" in lines[line_of(f" {name} ")]
     # vLLM builds against the stack's torch, not in an isolated environment holding its own
     skipped = " ".join(stack.git["vllm"].build_requires_skip)
     assert f"[no build isolation: its build requirements first, except {skipped}]" in lines[line_of(" vllm ")]

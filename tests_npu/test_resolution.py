@@ -85,12 +85,10 @@ def _mindspeed_requirements(stack: Stack, root: Path) -> tuple[Path, Path] | str
             f"no MindSpeed source: not at {upstream.default_archive(stack)} and ${upstream.MINDSPEED_SOURCE_ENV} "
             "is unset (a MindSpeed checkout or tarball at the pinned commit)"
         )
-    tree = upstream.unpacked(source, root / "mindspeed-source")
-    pinned, patched = root / "mindspeed-pinned", root / "mindspeed-patched"
-    for copy in (pinned, patched):
-        copy.mkdir()
-        shutil.copyfile(tree / "requirements.txt", copy / "requirements.txt")
-    _apply_patches(patched, stack.git["mindspeed"].patches)
+    # the whole tree as install.sh installs it: its patches applied (git apply --check, then apply), not only the
+    # requirements.txt ones
+    pinned = upstream.unpacked(source, root / "mindspeed-source")
+    patched = upstream.as_installed(source, root / "mindspeed-source", stack)
     return pinned / "requirements.txt", patched / "requirements.txt"
 
 

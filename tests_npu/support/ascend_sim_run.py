@@ -171,7 +171,7 @@ def fused_parity(inputs: dict) -> dict:
     runs = {}
     for dtype in inputs["dtypes"]:
         _operator_rules(dtype)
-        result = job.run_model(_parity_model(inputs), device, dtype, inputs["steps"], "fused")
+        result = _parity_job(inputs, device, dtype, "fused")
         result["operators"] = sorted(set(fake_torch_npu.CALLS))
         result["recorded"] = {kind: sorted(set(found)) for kind, found in fake_torch_npu.RECORDED.items()}
         runs[dtype] = result
@@ -179,6 +179,29 @@ def fused_parity(inputs: dict) -> dict:
     if inputs.get("kv_halves_swapped"):  # a porting fault the comparison must see: K and V rows of kv_b_proj swapped
         out["kv_halves_swapped"] = _evaluate_with_kv_halves_swapped(inputs, device)
     return out
+
+
+def _parity_job(inputs: dict, device, dtype: str, path: str) -> dict:
+    """The parity job's evaluation (log-probs, checksums, every DSA layer's top-k) and training steps for the tiny
+    model, from a fresh build (verl_npu.parity.job.run_model without its evaluation after training, which the
+    comparisons here do not read: after Adam's first step two exact-to-rounding runs drift apart)."""
+    import tempfile
+
+    import torch
+    from megatron.core import tensor_parallel
+
+    from verl_npu.parity import job
+    from verl_npu.parity.models import write_checkpoint
+    from verl_npu.parity.probes import Probes
+
+    model = _parity_model(inputs)
+    torch.manual_seed(0)
+    tensor_parallel.model_parallel_cuda_manual_seed(0)
+    with tempfile.TemporaryDirectory(prefix="verl-npu-sim-") as directory:
+        built = job.build(model, write_checkpoint(model, directory), device, dtype, path)
+    evaluation = job.evaluate(built, model, device, Probes(built.gpt))
+    return {"eval": evaluation, "train": job.train(built, model, device, inputs["steps"]),
+            "build": {"features": list(built.plan.features), "platform": built.plan.platform}}  # fmt: skip
 
 
 def _operator_rules(dtype: str) -> None:
@@ -239,7 +262,7 @@ def portable_parity(inputs: dict) -> dict:
     device = job.start_device()
     if inputs.get("bf16_indexer_inputs"):
         _indexer_inputs_in_bf16()
-    runs = {d: job.run_model(_parity_model(inputs), device, d, inputs["steps"], "portable") for d in inputs["dtypes"]}
+    runs = {dtype: _parity_job(inputs, device, dtype, "portable") for dtype in inputs["dtypes"]}
     return {"runs": runs}
 
 

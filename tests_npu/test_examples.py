@@ -3,28 +3,8 @@
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
-LAUNCH = REPO / "examples" / "glm5_2" / "run_glm5_2_grpo_a3.sh"
-COMPOSE = REPO / "tests_npu" / "support" / "compose_verl_config.py"
-
-
-def launch(tmp_path: Path, *extra: str, **env: str) -> subprocess.CompletedProcess[str]:
-    shim = tmp_path / "python"
-    shim.write_text(f'#!/usr/bin/env bash\nexec "{sys.executable}" "{COMPOSE}" "$@"\n')
-    shim.chmod(0o755)
-    return subprocess.run(
-        ["bash", str(LAUNCH), *extra],
-        capture_output=True,
-        text=True,
-        env={**os.environ, "PYTHON": str(shim), **env},
-        timeout=300,
-        check=False,
-    )
+from support.example_launch import LAUNCH, launch
 
 
 def test_glm5_launch_composes_with_verls_schema(tmp_path):

@@ -102,11 +102,8 @@ def convert_split(raw_dir: Path, split: str) -> Any:
 
 
 def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with path.open("rb") as handle:
-        for block in iter(lambda: handle.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
+    with path.open("rb") as f:
+        return hashlib.file_digest(f, "sha256").hexdigest()
 
 
 def source_stamp(raw_dir: Path) -> dict[str, Any]:

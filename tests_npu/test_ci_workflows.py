@@ -410,3 +410,93 @@ def test_verl_npu_ci_image_tag_is_the_same_command_as_the_module():
                             check=False)  # fmt: skip
     assert cli.returncode == module.returncode == 0, cli.stderr + module.stderr
     assert cli.stdout == module.stdout == f"{image_tag('a3', '0123456789abcdef0123', registry='ghcr.io/some-org')}\n"
+
+
+# --- the self-hosted runners each workflow needs, and the gate in front of them -------------------------------
+
+# upstream verl's Ascend runner scale sets (ci/README.md): A2 with 8 NPUs, A3 with 16, and the A3 runner its
+# multi-node job submits from
+UPSTREAM_RUNNERS = {"linux-aarch64-a2b3-8", "linux-aarch64-a3-16", "linux-aarch64-a3-8"}
+HOSTED_RUNNER = re.compile(r"(?:ubuntu|windows|macos)-[\w.-]+")
+RUNNER_VARIABLES = {"ASCEND_RUNNER_GROUP": "${{ vars.ASCEND_RUNNER_GROUP }}",
+                    "ASCEND_RUNNER_LABELS": "${{ vars.ASCEND_RUNNER_LABELS }}"}  # fmt: skip
+
+
+def runner_labels(job: dict) -> set[str]:
+    """The runner labels a job can run on, `${{ matrix.runner }}` resolved through its matrix."""
+    runs_on = job.get("runs-on")
+    if runs_on is None:  # a reusable workflow's call
+        return set()
+    labels = runs_on["labels"] if isinstance(runs_on, dict) else runs_on
+    matrix = [e["runner"] for e in job.get("strategy", {}).get("matrix", {}).get("include", []) if "runner" in e]
+    found = set()
+    for label in [labels] if isinstance(labels, str) else labels:
+        found |= set(matrix) if label == "${{ matrix.runner }}" else {label}
+    return found
+
+
+def needed(jobs: dict, name: str) -> set[str]:
+    """Every job ``name`` waits for, directly or through others."""
+    direct = jobs[name].get("needs", [])
+    found = set([direct] if isinstance(direct, str) else direct)
+    for other in list(found):
+        found |= needed(jobs, other)
+    return found
+
+
+def test_self_hosted_jobs_run_on_upstreams_runners_in_the_declared_group_behind_a_gate():
+    gated = set()
+    for workflow in WORKFLOWS:
+        jobs = load(workflow)["jobs"]
+        self_hosted = {name: labels for name, job in jobs.items()
+                       if (labels := {x for x in runner_labels(job) if not HOSTED_RUNNER.fullmatch(x)})}  # fmt: skip
+        if not self_hosted:
+            continue
+        gated.add(workflow.stem)
+        labels = set().union(*self_hosted.values())
+        assert labels <= UPSTREAM_RUNNERS, f"{workflow.name}: no runner has {sorted(labels - UPSTREAM_RUNNERS)}"
+        gate = jobs.get("runners")
+        assert gate is not None, f"{workflow.name}: self-hosted jobs {sorted(self_hosted)} but no `runners` job"
+        assert HOSTED_RUNNER.fullmatch(gate["runs-on"]) and gate["timeout-minutes"] <= 10
+        (check,) = [step for step in gate["steps"] if "check_runners.sh" in step.get("run", "")]
+        assert check["run"] == f"bash ci/nightly/check_runners.sh {workflow.stem} {' '.join(sorted(labels))}"
+        assert check["env"] == RUNNER_VARIABLES
+        for name in jobs.keys() - {"runners"}:  # nothing starts before the gate, no image is built for nothing
+            assert "runners" in needed(jobs, name), (workflow.name, name)
+        for name in self_hosted:
+            assert jobs[name]["runs-on"]["group"] == "${{ vars.ASCEND_RUNNER_GROUP }}", (workflow.name, name)
+    assert gated == {"nightly", "multinode"}
+
+
+def test_ci_readme_names_every_runner_variable_and_secret_the_workflows_use():
+    readme = (REPO / "ci/README.md").read_text()
+    text = "\n".join(p.read_text() for p in WORKFLOWS)
+    settings = set(re.findall(r"\b(?:vars|secrets)\.(\w+)", text)) - {"GITHUB_TOKEN"}
+    assert settings >= {"ASCEND_RUNNER_GROUP", "ASCEND_RUNNER_LABELS", "ASCEND_KUBECONFIG"}
+    for name in sorted(settings | UPSTREAM_RUNNERS):
+        assert f"`{name}`" in readme, f"ci/README.md does not name {name}"
+
+
+def check_runners(tmp_path: Path, *labels: str, **variables: str) -> subprocess.CompletedProcess:
+    env = {"PATH": "/usr/bin:/bin", "HOME": str(tmp_path), "GITHUB_ACTIONS": "true", **variables}
+    return run_bash(REPO / "ci/nightly/check_runners.sh", "nightly", *labels, env=env)
+
+
+def test_check_runners_stops_a_repository_without_the_runners_naming_what_it_needs(tmp_path):
+    labels = ("linux-aarch64-a2b3-8", "linux-aarch64-a3-16")
+    done = check_runners(tmp_path, *labels)
+    assert done.returncode == 1
+    assert "ASCEND_RUNNER_GROUP is not set" in done.stderr
+    assert "ASCEND_RUNNER_LABELS (not set) does not list linux-aarch64-a2b3-8 linux-aarch64-a3-16" in done.stderr
+    assert "queue for 24 hours" in done.stderr and 'ci/README.md, "Runners, variables and secrets"' in done.stderr
+    assert done.stdout.count("::error title=nightly needs Ascend runners::") == 2
+    group = {"ASCEND_RUNNER_GROUP": "ascend-ci"}
+    done = check_runners(tmp_path, *labels, **group, ASCEND_RUNNER_LABELS="linux-aarch64-a2b3-8")
+    assert done.returncode == 1 and "ASCEND_RUNNER_GROUP" not in done.stderr.split("\n")[0]
+    assert "(linux-aarch64-a2b3-8) does not list linux-aarch64-a3-16:" in done.stderr
+    declared = "linux-aarch64-a3-16  linux-aarch64-a3-8 linux-aarch64-a2b3-8"  # any order, any spacing
+    done = check_runners(tmp_path, *labels, **group, ASCEND_RUNNER_LABELS=declared)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout == "nightly: runner group 'ascend-ci' has the runner scale sets " + " ".join(labels) + "\n"
+    done = check_runners(tmp_path, "linux-aarch64-a3-16", "a3;rm", ASCEND_RUNNER_GROUP="g", ASCEND_RUNNER_LABELS="x")
+    assert done.returncode == 2 and "'a3;rm' is not a runner label" in done.stderr

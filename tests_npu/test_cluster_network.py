@@ -5,9 +5,9 @@ needs a particular node; the functions that read this machine (addresses, routes
 running a tool) are also run for real.
 
 Where the fixture outputs of the Ascend tools come from:
-- ``hccn_tool -i N -ip -g``: ``ipaddr:ADDRESS`` and ``netmask:MASK`` lines. vllm-ascend's multi-node
-  guide greps ``ipaddr`` from it and its ranktable generator splits that line at ``:``; the
-  guide's example answer is ``ipaddr:192.168.1.8``.
+- ``hccn_tool -i N -ip -g``: ``ipaddr:ADDRESS`` and ``netmask:MASK`` lines, as a real 910B node answers
+  (tests_npu/data/hccn_tool/, source in tests_npu/data/SOURCES.md). vllm-ascend's multi-node guide
+  greps ``ipaddr`` from it and its ranktable generator splits that line at ``:``.
 - ``hccn_tool -i N -link -g``: ``link status: UP`` (or ``DOWN``), the form of Huawei's HCCN Tool
   interface reference; vllm-ascend's guide checks that every NPU reports ``UP``. The exact line is
   not in any source we could read, so the parser accepts any case and spacing and anything else
@@ -395,6 +395,11 @@ def test_without_hccn_tool_the_device_checks_are_skipped_saying_so(npus):
     findings = npus(PATH="/nonexistent")
     nic = by_check(findings, "network.npu_nic")[0]
     assert nic.status == OK and "hccn_tool not found on node7" in nic.detail and "skipped" in nic.detail
+
+
+def test_the_ip_parser_reads_a_real_nodes_answer():
+    capture = REPO / "tests_npu" / "data" / "hccn_tool" / "ip_-i3_910B1_arthurchiao.txt"
+    assert parse_hccn_ip(capture.read_text()) == "29.1.112.213"
 
 
 def test_the_tool_parsers_read_the_documented_lines():

@@ -15,7 +15,14 @@ from email.parser import HeaderParser
 from pathlib import Path
 
 import pytest
-from support.doctor_env import npu_smi_table
+from support.doctor_env import (
+    A2_CAPTURE,
+    A2_X16_CAPTURE,
+    A3_CAPTURE,
+    A3_OLD_CAPTURE,
+    UNKNOWN_CAPTURE,
+    install_npu_smi,
+)
 from support.fake_ascend import BASE_IMAGE_ENV, SOURCED_IN_ORDER, make_fake_ascend, sourced
 from support.pypi import sdist
 
@@ -121,39 +128,34 @@ def test_a_broken_manifest_fails_in_the_named_step(tmp_path):
     assert 'ERROR in step "read manifest"' in done.stderr
 
 
-def _with_npu_smi(tmp_path: Path, output: str | None) -> dict[str, str]:
-    """PATH with an npu-smi that prints ``output`` for `npu-smi info` (None: it fails, as without the driver)."""
-    bin_dir = tmp_path / "npu-bin"
-    bin_dir.mkdir()
-    script = bin_dir / "npu-smi"
-    if output is None:
-        script.write_text("#!/bin/bash\necho 'dcmi model initialized failed' >&2\nexit 8\n")
-    else:
-        (tmp_path / "npu-smi-info.txt").write_text(output)
-        script.write_text(f"#!/bin/bash\ncat {tmp_path / 'npu-smi-info.txt'}\n")
-    script.chmod(0o755)
+def _with_npu_smi(tmp_path: Path, capture: str | None, *, fails: bool = False) -> dict[str, str]:
+    """PATH with an npu-smi that prints a real capture for `npu-smi info` (``fails``: exits 8 as without
+    the driver, printing nothing)."""
+    stderr = "dcmi model initialized failed" if fails else ""
+    bin_dir = install_npu_smi(tmp_path / "npu-bin", None if fails else capture, exit_code=8 if fails else 0,
+                              stderr=stderr)  # fmt: skip
     return {"PATH": f"{bin_dir}:{os.environ['PATH']}"}
 
 
 @pytest.mark.parametrize(
-    ("chip", "bus_ids", "target"),
-    [("910B3", ["0000:A3:00.0", "0000:A4:00.0"], "a2"), ("Ascend910_9392", None, "a3"), ("910B4", None, "a2")],
+    ("capture", "target"),
+    [(A3_CAPTURE, "a3"), (A3_OLD_CAPTURE, "a3"), (A2_CAPTURE, "a2"), (A2_X16_CAPTURE, "a2")],
 )
-def test_detected_target_follows_the_chip_not_a_bus_id_that_reads_a3(tmp_path, chip, bus_ids, target):
-    """A 910B node whose PCI Bus-Id is 0000:A3:00.0 is an a2 node (install.sh once matched any "A3")."""
-    env = _with_npu_smi(tmp_path, npu_smi_table(chip, 2, bus_ids=bus_ids))
-    done = run_install("--dry-run", "--prefix", str(tmp_path / "p"), env=env)
+def test_detected_target_of_a_real_node(tmp_path, capture, target):
+    """install.sh without --target died on A3 nodes: their npu-smi names the chip `Ascend910`."""
+    done = run_install("--dry-run", "--prefix", str(tmp_path / "p"), env=_with_npu_smi(tmp_path, capture))
     assert done.returncode == 0, done.stderr
     assert f"no --target given; detected target: {target}" in done.stdout
     assert f"plan for target '{target}'" in done.stdout
 
 
 @pytest.mark.parametrize(
-    ("output", "message"),
-    [(npu_smi_table("310P3", 2), "neither 910B nor 910_93"), (None, "`npu-smi info` failed")],
+    ("capture", "fails", "message"),
+    [(UNKNOWN_CAPTURE, False, "npu-smi lists 310P3 chips: neither"), (None, True, "`npu-smi info` failed")],
 )
-def test_an_unknown_chip_or_a_failing_npu_smi_stops_detection(tmp_path, output, message):
-    done = run_install("--dry-run", "--prefix", str(tmp_path / "p"), env=_with_npu_smi(tmp_path, output))
+def test_an_unknown_chip_or_a_failing_npu_smi_stops_detection(tmp_path, capture, fails, message):
+    env = _with_npu_smi(tmp_path, capture, fails=fails)
+    done = run_install("--dry-run", "--prefix", str(tmp_path / "p"), env=env)
     assert done.returncode != 0
     assert message in done.stderr and "--target a2 or --target a3" in done.stderr
     assert 'ERROR in step "detect target": the target could not be detected' in done.stderr
@@ -163,13 +165,13 @@ def test_an_unknown_chip_or_a_failing_npu_smi_stops_detection(tmp_path, output, 
 def test_detect_target_runs_on_the_standard_library_alone(tmp_path):
     """install.sh asks before anything is installed: `python -m verl_npu.stack detect-target` from the
     checkout, with no site-packages at all (-S), still answers."""
-    env = {**os.environ, **_with_npu_smi(tmp_path, npu_smi_table("910B3", 2, bus_ids=["0000:A3:00.0"] * 2))}
+    env = {**os.environ, **_with_npu_smi(tmp_path, A3_CAPTURE)}
     env.pop("PYTHONPATH", None)
     done = subprocess.run(
         [sys.executable, "-S", "-m", "verl_npu.stack", "detect-target"],
         capture_output=True, text=True, cwd=REPO, env=env, timeout=60, check=False,
     )  # fmt: skip
-    assert (done.returncode, done.stdout) == (0, "a2\n"), done.stderr
+    assert (done.returncode, done.stdout) == (0, "a3\n"), done.stderr
 
 
 def test_npu_target_without_cann_fails_in_the_chip_step(tmp_path):

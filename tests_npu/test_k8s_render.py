@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import json
+import math
 import re
 import shlex
 import shutil
@@ -24,7 +25,7 @@ from referencing import Resource
 from verl_npu.ci.images import image_tag, manifest_digest
 from verl_npu.cli import main
 from verl_npu.envfile import env_file_variables
-from verl_npu.k8s import render, schemas, validate
+from verl_npu.k8s import defaults, render, schemas, validate
 from verl_npu.stack import load_stack
 
 REPO = Path(__file__).resolve().parent.parent
@@ -32,6 +33,8 @@ COMMIT = "0123456789abcdef0123456789abcdef01234567"
 REGISTRY = "registry.example/team"
 IMAGE = image_tag("a3", COMMIT, registry=REGISTRY)
 LAUNCH = "examples/glm5_2/run_glm5_2_grpo_a3.sh"
+NIGHTLY_ENV = str(REPO / "ci/nightly/nightly.env")
+CI_RUN_DIR = "/root/.cache/verl-npu/runs/verl-npu-mn-4242-1"  # the workflow's RUN_DIR for run 4242, attempt 1
 ENV = """\
 # a test cluster
 MODEL_PATH=/root/.cache/models/zai-org/GLM-5.2
@@ -52,12 +55,18 @@ def env_file(tmp_path: Path) -> Path:
     return path
 
 
-def rendered(tmp_path: Path, *args: str, kind: str = "rayjob", name: str = "verl-npu-test-1") -> list[dict]:
+def rendered(
+    tmp_path: Path, *args: str, kind: str = "rayjob", name: str = "verl-npu-test-1", preflight: bool = False
+) -> list[dict]:
+    """The documents of a render. Without ``preflight`` the render skips it (--no-preflight): the test cluster of
+    ENV is 4 nodes, on which the GLM-5.2 launch is a NO-GO; the tests of what preflight decides say preflight=True."""
     out = tmp_path / f"{name}.{kind}.yaml"
-    argv = ["k8s", "render", kind, "--name", name, "--launch", LAUNCH, "-o", str(out), *args]
+    argv = ["k8s", "render", kind, "--name", name, "--launch", LAUNCH, "-o", str(out)]
     if "--image" not in args and "--commit" not in args:
         argv += ["--image", IMAGE]
-    assert main(argv) == 0
+    if not preflight:
+        argv.append("--no-preflight")
+    assert main([*argv, *args]) == 0
     return [d for d in yaml.safe_load_all(out.read_text())]
 
 
@@ -112,6 +121,8 @@ def workflow_render_argv(run_id: str, attempt: str, out: Path) -> list[str]:
     assert words[0].endswith("verl-npu") and words[1:3] == ["k8s", "render"]
     words = words[1:]
     words[words.index("-o") + 1] = str(out)
+    # the workflow runs from the checkout's root; the test from anywhere
+    words[words.index("--model-config") + 1] = str(REPO / words[words.index("--model-config") + 1])
     return words
 
 
@@ -172,7 +183,9 @@ def test_ci_names_differ_per_run_attempt_and_fit_kuberays_limit(tmp_path):
     names = []
     for attempt in ("1", "2"):
         out = tmp_path / f"{attempt}.yaml"
-        assert main(workflow_render_argv("98765432101", attempt, out)) == 0
+        argv = workflow_render_argv("98765432101", attempt, out)
+        argv.insert(argv.index("--"), "--no-preflight")  # names only: preflight of this launch is the fixture's
+        assert main(argv) == 0
         names.append({(d["kind"], d["metadata"]["name"]) for d in yaml.safe_load_all(out.read_text())})
     first, second = names
     assert not {n for _, n in first} & {n for _, n in second}
@@ -250,7 +263,10 @@ def test_the_glm5_2_example_renders_from_its_env_file_and_launch(tmp_path, kind)
     env_path = REPO / "examples/glm5_2/glm5_2.env"
     example = env_file_variables(str(env_path))
     nnodes, npus = int(example["NNODES"]), int(example["NPUS_PER_NODE"])
-    docs = rendered(tmp_path, "--env-file", str(env_path), *example_pvcs(env_path), kind=kind, name="glm5-2-grpo-7")
+    docs = rendered(
+        tmp_path, "--env-file", str(env_path), *example_pvcs(env_path), *docs_resource_options(),
+        "--", "trainer.total_training_steps=200", kind=kind, name="glm5-2-grpo-7", preflight=True,
+    )  # fmt: skip
     assert validate.validate_documents(docs, "test") == []
     job = by_kind(docs, "RayJob" if kind == "rayjob" else "Job")
     pods = node_pods(job)
@@ -278,11 +294,293 @@ def test_the_glm5_2_example_renders_from_its_env_file_and_launch(tmp_path, kind)
     scripts = by_kind(docs, "ConfigMap")["data"]
     launch = "exec bash /opt/verl-npu/src/verl-npu/examples/glm5_2/run_glm5_2_grpo_a3.sh"
     runs_launch = scripts["entrypoint.sh"] if kind == "rayjob" else scripts["head.sh"]
-    assert runs_launch.rstrip().splitlines()[-1] == launch
+    assert runs_launch.rstrip().splitlines()[-1] == f"{launch} trainer.total_training_steps=200"
     if kind == "volcano":
         assert scripts["head.sh"].index("ray_start.sh head") < scripts["head.sh"].index(launch)
         assert "head_host=glm5-2-grpo-7-head-0.glm5-2-grpo-7" in scripts["worker.sh"]
         assert all(spec["restartPolicy"] == "Never" for spec in pods.values())
+    # no deadline was asked for: nothing stops the run (a 3 h default killed a 200-step run before its first save)
+    assert "activeDeadlineSeconds" not in job["spec"]
+    assert all("activeDeadlineSeconds" not in spec for spec in pods.values())
+    assert job["metadata"]["annotations"][render.DEADLINE_ANNOTATION].startswith("none")
+
+
+# --- the GLM-5.2 command of ci/k8s/README.md: memory the nodes hold, no deadline --------------------------
+
+# Allocatable memory that the public record shows a CCE A3 node (huawei.com/ascend-1980, 16 NPUs) holds: Huawei
+# Cloud plans 60Gi per NPU die for a container on these nodes, 16 x 60Gi for a whole node (ci/k8s/README.md).
+CCE_A3_MEMORY_FLOOR = 16 * 60 * 2**30
+
+
+def docs_glm5_2_render(out: Path) -> list[str]:
+    """The `verl-npu k8s render` command of ci/k8s/README.md's GLM-5.2 section, as `main` takes it."""
+    text = (REPO / "ci/k8s/README.md").read_text()
+    section = text[text.index("## GLM-5.2 on 32 A3 nodes") :]
+    start = section.index("```bash\n") + len("```bash\n")
+    block = section[start : section.index("```", start)]
+    command = next(line for line in block.replace("\\\n", " ").splitlines() if "k8s render" in line)
+    words = shlex.split(command.replace('"$(git rev-parse HEAD)"', COMMIT).replace("<owner>", "owner"))
+    assert words[:3] == ["verl-npu", "k8s", "render"]
+    words = words[1:]
+    words[words.index("-o") + 1] = str(out)
+    return words
+
+
+def docs_resource_options() -> list[str]:
+    """The --memory and --shm-size of the documented GLM-5.2 command."""
+    words = docs_glm5_2_render(Path("x"))
+    return [w for option in ("--memory", "--shm-size") for w in (option, words[words.index(option) + 1])]
+
+
+def glm5_2_host_ram() -> float:
+    """Preflight's host RAM estimate of the busiest node for the example (bytes), computed here as the render does."""
+    from verl_npu.preflight import run_preflight
+
+    env = env_file_variables(str(REPO / "examples/glm5_2/glm5_2.env"))
+    report = run_preflight(REPO / LAUNCH, ["trainer.total_training_steps=200"], env=env, chip="a3")
+    return report.memory.node_host_bytes
+
+
+def test_the_documented_glm5_2_render_has_no_deadline_and_a_memory_request_the_nodes_hold(tmp_path, capsys):
+    out = tmp_path / "glm5_2.rayjob.yaml"
+    assert main(docs_glm5_2_render(out)) == 0
+    assert main(["k8s", "validate", str(out)]) == 0
+    rayjob = by_kind(list(yaml.safe_load_all(out.read_text())), "RayJob")
+    assert "activeDeadlineSeconds" not in rayjob["spec"]
+    assert "deadline none" in capsys.readouterr().err
+    need = glm5_2_host_ram()
+    for role, spec in node_pods(rayjob).items():
+        resources = spec["containers"][0]["resources"]
+        assert resources["requests"] == resources["limits"], role  # Guaranteed: the request is what it may use
+        memory = render.quantity(resources["requests"]["memory"], "")
+        shm = render.quantity(mounts(spec)["/dev/shm"]["emptyDir"]["sizeLimit"], "")
+        assert need + shm <= memory <= CCE_A3_MEMORY_FLOOR, role
+    assert rayjob["metadata"]["annotations"][render.PREFLIGHT_ANNOTATION].startswith("go: ")
+
+
+def test_the_glm5_2_launch_at_the_default_memory_is_refused_naming_both_numbers(tmp_path, capsys):
+    out = tmp_path / "glm5_2.rayjob.yaml"
+    words = docs_glm5_2_render(out)
+    for option in ("--memory", "--shm-size"):
+        del words[words.index(option) : words.index(option) + 2]
+    assert main(words) == 1
+    assert not out.exists()
+    err = capsys.readouterr().err
+    need = glm5_2_host_ram()
+    shm = render.quantity(defaults.DEFAULT_SHM_SIZE, "")
+    assert "NO-GO, nothing written" in err
+    assert f"--memory {defaults.DEFAULT_MEMORY}: node " in err
+    assert f"needs {need / 2**30:.1f} GiB of host RAM" in err  # preflight's estimate ...
+    # ... and the pod's
+    assert f"= {(need + shm) / 2**30:.1f} GiB, more than the 512.0 GiB each node pod requests" in err
+    assert f"--memory {math.ceil((need + shm) / 2**30)}Gi or more" in err
+
+
+def test_the_memory_request_holds_the_host_ram_estimate_and_dev_shm_together(tmp_path, capsys):
+    """/dev/shm is memory-backed, so the pod's memory must hold it beside the processes' host RAM."""
+    from verl_npu.preflight import run_preflight
+
+    env = {"DSA_JOB_DIR": CI_RUN_DIR + "/job"}  # the CI render's: preflight composes the same launch once
+    report = run_preflight(REPO / "ci/nightly/jobs/multinode_grpo.sh", env=env, chip="a3",
+                           model_config=str(REPO / "ci/nightly/models/glm5_small"))  # fmt: skip
+    need_gib = math.ceil(report.memory.node_host_bytes / 2**30)
+    assert 0 < need_gib < 16
+    out = tmp_path / "n.yaml"
+    argv = [
+        "k8s", "render", "rayjob", "--name", "n-1", "--image", IMAGE, "--env-file", NIGHTLY_ENV,
+        "--nnodes", "2", "--npus-per-node", "16", "--env", f"DSA_JOB_DIR={env['DSA_JOB_DIR']}",
+        "--launch", "ci/nightly/run_job.sh", "--trainer-launch", "ci/nightly/jobs/multinode_grpo.sh",
+        "--model-config", str(REPO / "ci/nightly/models/glm5_small"), "--shm-size", "16Gi", "-o", str(out),
+        "--", "multinode_grpo", CI_RUN_DIR + "/results",
+    ]  # fmt: skip
+    # the estimate alone would fit, with /dev/shm it does not
+    assert main([*argv[:-3], "--memory", f"{16 + need_gib - 1}Gi", *argv[-3:]]) == 1
+    assert f"--memory {16 + need_gib - 1}Gi: node " in capsys.readouterr().err and not out.exists()
+    assert main([*argv[:-3], "--memory", f"{16 + need_gib}Gi", *argv[-3:]]) == 0
+    assert (
+        "within --memory"
+        in by_kind(list(yaml.safe_load_all(out.read_text())), "RayJob")["metadata"]["annotations"][
+            render.PREFLIGHT_ANNOTATION
+        ]
+    )
+
+
+def test_a_launch_preflight_says_no_go_to_is_not_rendered_and_every_problem_is_listed(tmp_path, capsys, env_file):
+    """The documented GLM-5.2 render with expandable segments, which vLLM's sleep mode refuses, and the default
+    memory: both problems in one refusal."""
+    out = tmp_path / "glm5_2.rayjob.yaml"
+    words = docs_glm5_2_render(out)
+    for option in ("--memory", "--shm-size"):
+        del words[words.index(option) : words.index(option) + 2]
+    words.insert(words.index("--"), "--env=PYTORCH_NPU_ALLOC_CONF=expandable_segments:True")
+    assert main(words) == 1
+    err = capsys.readouterr().err
+    assert "preflight of examples/glm5_2/run_glm5_2_grpo_a3.sh: launch.npu-alloc-conf: PYTORCH_NPU_ALLOC_CONF" in err
+    assert f"--memory {defaults.DEFAULT_MEMORY}: node " in err
+    assert not out.exists()
+    # asked not to preflight, the render says so in the manifest and on stderr
+    docs = rendered(tmp_path, "--env-file", str(env_file))
+    assert by_kind(docs, "RayJob")["metadata"]["annotations"][render.PREFLIGHT_ANNOTATION].startswith("not run")
+    assert "WARNING: preflight not run (--no-preflight)" in capsys.readouterr().err
+
+
+def test_a_launch_that_runs_no_trainer_is_refused_unless_its_trainer_launch_is_named(tmp_path, capsys):
+    out = tmp_path / "out.yaml"
+    argv = [
+        "k8s", "render", "rayjob", "--name", "n-1", "--image", IMAGE, "--env-file", NIGHTLY_ENV,
+        "--nnodes", "2", "--npus-per-node", "16", "--env", "DSA_JOB_DIR=/root/.cache/j", "--launch",
+        "ci/nightly/run_job.sh", "-o", str(out), "--", "multinode_grpo", "/root/.cache/r",
+    ]  # fmt: skip
+    assert main(argv) == 1
+    err = capsys.readouterr().err
+    assert "preflight of ci/nightly/run_job.sh: launch.no-trainer" in err and "--trainer-launch" in err
+    assert "makes no host RAM estimate until the failures above are fixed: --memory unchecked" in err
+    assert not out.exists()
+
+
+# --- the deadline: none unless asked; from the launch's steps and a stated step time ----------------------
+
+
+def test_the_deadline_is_the_startup_plus_the_launchs_steps_times_the_step_time(tmp_path, env_file, capsys):
+    for kind in render.KINDS:
+        docs = rendered(tmp_path, "--env-file", str(env_file), "--step-time", "900", "--results-pod",
+                        "--", "trainer.total_training_steps=200", kind=kind)  # fmt: skip
+        job = by_kind(docs, "RayJob" if kind == "rayjob" else "Job")
+        expected = render.CLUSTER_WAIT_S + 200 * 900
+        if kind == "rayjob":
+            assert job["spec"]["activeDeadlineSeconds"] == expected
+        else:
+            assert {spec["activeDeadlineSeconds"] for spec in node_pods(job).values()} == {expected}
+        assert job["metadata"]["annotations"][render.DEADLINE_ANNOTATION] == (
+            f"{expected} s = 2400 s to start + 200 steps (trainer.total_training_steps of run_glm5_2_grpo_a3.sh) "
+            "x 900 s (--step-time)"
+        )
+        assert by_kind(docs, "Pod")["spec"]["activeDeadlineSeconds"] == expected + 3600
+    docs = rendered(tmp_path, "--env-file", str(env_file), "--step-time", "1.5", "--startup-time", "5400",
+                    "--", "trainer.total_training_steps=3", "trainer.total_training_steps=7")  # fmt: skip
+    assert by_kind(docs, "RayJob")["spec"]["activeDeadlineSeconds"] == 5400 + math.ceil(7 * 1.5)  # the last one wins
+    docs = rendered(tmp_path, "--env-file", str(env_file), "--deadline", "36000", "--results-pod")
+    assert by_kind(docs, "RayJob")["spec"]["activeDeadlineSeconds"] == 36000
+    # without one, nothing stops the run, and the results pod ends after a week
+    docs = rendered(tmp_path, "--env-file", str(env_file), "--results-pod")
+    assert "activeDeadlineSeconds" not in by_kind(docs, "RayJob")["spec"]
+    assert by_kind(docs, "Pod")["spec"]["activeDeadlineSeconds"] == render.RESULTS_POD_LIFETIME_S == 7 * 24 * 3600
+
+
+def test_the_steps_come_from_the_trainer_launch_the_launch_runs(tmp_path, capsys):
+    """The nightly's launch is run_job.sh; its trainer launch, ci/nightly/jobs/multinode_grpo.sh, sets 15 steps."""
+    argv = ["--env-file", NIGHTLY_ENV, "--nnodes", "2", "--npus-per-node", "16", "--env", "DSA_JOB_DIR=/root/.cache/j",
+            "--launch", "ci/nightly/run_job.sh", "--step-time", "60"]  # fmt: skip
+    docs = rendered(tmp_path, *argv, "--trainer-launch", "ci/nightly/jobs/multinode_grpo.sh", "--", "multinode_grpo")
+    assert by_kind(docs, "RayJob")["spec"]["activeDeadlineSeconds"] == render.CLUSTER_WAIT_S + 15 * 60
+    out = tmp_path / "none.yaml"
+    base = ["k8s", "render", "rayjob", "--name", "n-1", "--image", IMAGE, "--no-preflight", "-o", str(out)]
+    assert main([*base, *argv, "--", "multinode_grpo"]) == 2
+    assert "--step-time: no command in" in capsys.readouterr().err and not out.exists()
+
+
+@pytest.mark.parametrize(
+    ("argv", "expected"),
+    [
+        (["--step-time", "900"], r"--step-time: .*run_glm5_2_grpo_a3\.sh sets no trainer\.total_training_steps"),
+        (["--step-time", "900", "--", "~trainer.total_training_steps"], r"sets no trainer\.total_training_steps"),
+        (
+            ["--step-time", "900", "--", "trainer.total_training_steps=many"],
+            r"trainer\.total_training_steps='many': expected an integer from 1",
+        ),
+        (["--step-time", "900", "--deadline", "600"], r"--deadline and --step-time both set the run's deadline"),
+        (["--startup-time", "60"], r"--startup-time counts only with --step-time"),
+        (["--step-time", "0"], r"--step-time='0': expected a finite number > 0 and <= 604800"),
+        (["--step-time", "nan"], r"--step-time='nan': expected a finite number"),
+        (["--deadline", "0"], r"--deadline=0: expected an integer from 1 to 31622400"),
+        (["--deadline", "1e9"], r"--deadline='1e9': expected an integer"),
+        (["--ttl", "99999999"], r"--ttl=99999999: expected an integer from 1 to 2592000"),
+        (["--step-time", "604800", "--", "trainer.total_training_steps=1000"], r"exceeds 31622400 s \(366 days\)"),
+    ],
+)
+def test_deadline_options_are_range_checked(tmp_path, capsys, argv, expected):
+    assert re.search(expected, refused(tmp_path, capsys, ["--no-preflight", *argv]))
+
+
+# --- requests and limits of the CCE A3 nodes -------------------------------------------------------------
+
+
+def test_the_node_pods_request_what_upstream_ci_requests_of_the_same_nodes(ci_docs):
+    """512Gi and 64 CPUs, as upstream verl's multi-node RayJob on CCE A3 nodes (ci/k8s/README.md); requests =
+    limits; the default /dev/shm inside that memory."""
+    for role, spec in node_pods(by_kind(ci_docs, "RayJob")).items():
+        resources = spec["containers"][0]["resources"]
+        assert resources["requests"] == resources["limits"] == {
+            "huawei.com/ascend-1980": 16, "cpu": "64", "memory": "512Gi",
+        }, role  # fmt: skip
+        assert mounts(spec)["/dev/shm"]["emptyDir"]["sizeLimit"] == "128Gi"
+    assert (defaults.DEFAULT_CPU, defaults.DEFAULT_MEMORY) == ("64", "512Gi")
+    rayjob = by_kind(ci_docs, "RayJob")
+    assert rayjob["spec"]["activeDeadlineSeconds"] == 10800  # the workflow's --deadline, within its 4 h timeout
+    assert rayjob["metadata"]["annotations"][render.PREFLIGHT_ANNOTATION].startswith("go: node ")
+
+
+def test_cpu_memory_and_shm_are_options_range_checked_all_at_once(tmp_path, capsys, env_file):
+    docs = rendered(tmp_path, "--env-file", str(env_file), "--cpu", "125", "--memory", "900Gi", "--shm-size", "64Gi")
+    head = node_pods(by_kind(docs, "RayJob"))["head"]
+    assert head["containers"][0]["resources"]["limits"] == {
+        "huawei.com/ascend-1980": 16,
+        "cpu": "125",
+        "memory": "900Gi",
+    }
+    assert mounts(head)["/dev/shm"]["emptyDir"]["sizeLimit"] == "64Gi"
+    err = refused(tmp_path, capsys, ["--cpu", "0", "--memory", "2Pi", "--shm-size", "lots", "--ttl", "0"])
+    assert err.count("expected") == 4, err  # every bad option in one message
+    for expected in (
+        "--cpu='0': expected a Kubernetes quantity (such as 512Gi, 64 or 500m) from 1 to 4096",
+        "--memory='2Pi': expected a Kubernetes quantity (such as 512Gi, 64 or 500m) from 1Gi to 1Pi",
+        "--shm-size='lots': expected a Kubernetes quantity",
+        "--ttl=0: expected an integer from 1 to 2592000",
+    ):
+        assert expected in err
+    assert "--cpu='500m': expected" in refused(tmp_path, capsys, ["--cpu", "500m"])
+    assert "--memory=' 512Gi': expected" in refused(tmp_path, capsys, ["--memory", " 512Gi"])
+
+
+# --- the host side of the NPUs ---------------------------------------------------------------------------
+
+
+def host_mounts(spec: dict) -> dict[str, tuple[str, bool]]:
+    """mount path -> (hostPath type, read-only) of a pod's host mounts."""
+    volumes = {v["name"]: v for v in spec["volumes"]}
+    return {
+        m["mountPath"]: (volumes[m["name"]]["hostPath"].get("type", ""), m.get("readOnly", False))
+        for m in spec["containers"][0]["volumeMounts"]
+        if "hostPath" in volumes[m["name"]]
+    }
+
+
+def test_the_host_paths_are_the_ascend_docker_runtimes_typed_and_read_only(ci_docs):
+    """npu-smi at /usr/local/bin (the Ascend Docker Runtime's default mount list), each mount typed so a node without
+    it fails the pod's start instead of getting an empty directory where npu-smi should be."""
+    for role, spec in node_pods(by_kind(ci_docs, "RayJob")).items():
+        assert host_mounts(spec) == {
+            "/usr/local/Ascend/driver": ("Directory", True),
+            "/usr/local/dcmi": ("Directory", True),
+            "/usr/local/bin/npu-smi": ("File", True),
+        }, role
+
+
+def test_host_files_and_directories_replace_their_own_defaults(tmp_path, capsys, env_file):
+    docs = rendered(tmp_path, "--env-file", str(env_file), "--host-file", "/usr/local/sbin/npu-smi")
+    assert host_mounts(node_pods(by_kind(docs, "RayJob"))["head"]) == {
+        "/usr/local/Ascend/driver": ("Directory", True),
+        "/usr/local/dcmi": ("Directory", True),
+        "/usr/local/sbin/npu-smi": ("File", True),
+    }
+    docs = rendered(tmp_path, "--env-file", str(env_file), "--host-path", "/usr/local/Ascend/driver/tools")
+    assert host_mounts(node_pods(by_kind(docs, "RayJob"))["worker"]) == {
+        "/usr/local/Ascend/driver/tools": ("Directory", True),
+        "/usr/local/bin/npu-smi": ("File", True),
+    }
+    docs = rendered(tmp_path, "--env-file", str(env_file), "--no-host-paths", kind="volcano")
+    assert all(host_mounts(spec) == {} for spec in node_pods(by_kind(docs, "Job")).values())
+    assert "--host-file 'npu-smi': give an absolute" in refused(tmp_path, capsys, ["--host-file", "npu-smi"])
 
 
 def test_launch_arguments_and_other_chips_devices_and_claims_are_rendered(tmp_path, env_file):
@@ -323,7 +621,7 @@ def test_ray_version_and_image_follow_the_manifest(tmp_path, env_file):
     docs = rendered(tmp_path, "--env-file", str(env_file), "--commit", COMMIT, "--registry", REGISTRY)
     assert by_kind(docs, "RayJob")["spec"]["rayClusterSpec"]["rayVersion"] == "2.60.0"
     out = tmp_path / "other.yaml"
-    argv = ["--manifest", str(manifest), "k8s", "render", "rayjob", "--name", "n", "--launch", LAUNCH]
+    argv = ["--manifest", str(manifest), "k8s", "render", "rayjob", "--name", "n", "--launch", LAUNCH, "--no-preflight"]
     assert main([*argv, "--env-file", str(env_file), "--commit", COMMIT, "--registry", REGISTRY, "-o", str(out)]) == 0
     (rayjob,) = [d for d in yaml.safe_load_all(out.read_text()) if d["kind"] == "RayJob"]
     assert rayjob["spec"]["rayClusterSpec"]["rayVersion"] == "2.61.0"
@@ -371,9 +669,9 @@ def refused(tmp_path: Path, capsys, argv: list[str], *, env_text: str | None = E
         (ENV, ["--env", "GLOO_SOCKET_IFNAME=eth0"], r"--env: GLOO_SOCKET_IFNAME would force one value"),
         (ENV.replace("/root/.cache/models/", "/tmp/models/"), [], r"MODEL_PATH='/tmp/models/.*' is not on the shared"),
         (ENV, ["--env", "DSA_JOB_DIR=/tmp/job"], r"DSA_JOB_DIR='/tmp/job' is not on the shared storage"),
-        (ENV, ["--shm-size", "512Mi"], r"--shm-size 512Mi: under 1 GiB, on which `verl-npu doctor` fails"),
-        (ENV, ["--shm-size", "2Ti"], r"--shm-size 2Ti exceeds --memory 1400Gi"),
-        (ENV, ["--memory", "lots"], r"--memory 'lots' is not a Kubernetes quantity"),
+        (ENV, ["--shm-size", "512Mi"], r"--shm-size='512Mi': expected a Kubernetes quantity .* from 1Gi to 1Pi"),
+        (ENV, ["--shm-size", "2Ti"], r"--shm-size 2Ti leaves nothing of --memory 512Gi for the node's processes"),
+        (ENV, ["--memory", "lots"], r"--memory='lots': expected a Kubernetes quantity \(such as 512Gi"),
         (ENV, ["--pull-secret", "Bad_Name"], r"--pull-secret 'Bad_Name': not a valid Secret name"),
         (ENV, ["--pvc", "c=relative"], r"--pvc c=relative: the mount path must be an absolute"),
         (ENV, ["--npu-resource", "npu"], r"--npu-resource 'npu': expected a device plugin resource"),
@@ -415,7 +713,7 @@ def test_argument_types_are_refused_by_the_parser(tmp_path, capsys):
     with pytest.raises(SystemExit) as exc:
         main(["k8s", "render", "rayjob", "--name", "n", "--launch", LAUNCH, "--env-file", "x", "--nnodes", "0"])
     assert exc.value.code == 2
-    assert "'0' is not a positive integer" in capsys.readouterr().err
+    assert "argument --nnodes: --nnodes=0: expected an integer from 1 to 1048576" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         main(["k8s", "render", "rayjob", "--name", "n", "--launch", LAUNCH, "--env-file", "x", "--pvc", "nomount"])
     assert "expected CLAIM=MOUNT" in capsys.readouterr().err
@@ -700,7 +998,7 @@ def test_render_exits_2_without_kubernetes_validate(tmp_path, env_file, capsys, 
     monkeypatch.setattr(schemas.resources, "files", without_kubernetes_validate)
     out = tmp_path / "out.yaml"
     argv = ["k8s", "render", "rayjob", "--name", "n-1", "--launch", LAUNCH, "--env-file", str(env_file)]
-    assert main([*argv, "--image", IMAGE, "-o", str(out)]) == 2
+    assert main([*argv, "--image", IMAGE, "--no-preflight", "-o", str(out)]) == 2
     assert not out.exists()
     err = capsys.readouterr().err
     assert "cannot validate the manifests: the Kubernetes schemas come from the kubernetes-validate package" in err

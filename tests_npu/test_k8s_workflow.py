@@ -4,11 +4,14 @@ ci/k8s scripts it runs, exercised against a stand-in kubectl that records its ca
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 import yaml
+from support.kuberay_rayjob import write_states
 
 REPO = Path(__file__).resolve().parent.parent
 WORKFLOW = REPO / ".github/workflows/multinode.yml"
@@ -67,43 +70,42 @@ def test_names_are_unique_per_run_attempt_and_the_image_is_this_commits(job):
 
 # --- the scripts, against a stand-in kubectl --------------------------------------------------------
 
-FAKE_KUBECTL = r"""#!/usr/bin/env bash
-# records each call; answers from files in $FAKE (access modes, the RayJob's successive states)
-printf '%s\n' "$*" >>"$FAKE/calls"
-case "$*" in
-  *"--dry-run=server"*"-o jsonpath"*) printf 'shared\nshared\n' ;;
-  *"--dry-run=server"*) ;;
-  "get pvc "*) cat "$FAKE/modes" ;;
-  "get rayjob/"*"-o jsonpath"*)
-    n=$(($(cat "$FAKE/polls" 2>/dev/null || echo 0) + 1)); echo "$n" >"$FAKE/polls"
-    sed -n "${n}p" "$FAKE/states" | grep . || tail -n 1 "$FAKE/states" ;;
-  "logs job/"*) echo "step:15 - done" ;;
-  "wait "*) [[ -f "$FAKE/pod-ready" ]] ;;
-  "exec "*"test -d"*) [[ -f "$FAKE/results-exist" ]] ;;
-  "cp "*) mkdir -p "${@: -1}" && echo log >"${@: -1}/train.log" ;;
-  "get pod/"*) [[ -f "$FAKE/pod-ready" ]] ;;
-esac
-"""
+STANDIN = REPO / "tests_npu/support/kubectl_standin.py"
 
 
 @pytest.fixture
 def kubectl(tmp_path: Path) -> Path:
     fake = tmp_path / "fake"
     (fake / "bin").mkdir(parents=True)
-    (fake / "bin" / "kubectl").write_text(FAKE_KUBECTL)
-    (fake / "bin" / "kubectl").chmod(0o755)
+    (fake / "bin" / "kubectl").symlink_to(STANDIN)
+    (fake / "bin" / "python3").symlink_to(sys.executable)  # the stand-in's and the scripts' (no pyenv shim: fast)
     (fake / "modes").write_text('["ReadWriteMany"]\n')
-    (fake / "states").write_text("Initializing/\nRunning/RUNNING\nComplete/SUCCEEDED\n")
+    write_states(fake / "rayjob", "job-1", ["Initializing", "Running", "Complete/SUCCEEDED"])
     return fake
 
 
-def run(script: str, fake: Path, *args: str, cwd: Path) -> subprocess.CompletedProcess:
-    env = {**os.environ, "PATH": f"{fake / 'bin'}:{os.environ['PATH']}", "FAKE": str(fake), "POLL_S": "0"}
-    return subprocess.run(["bash", str(REPO / script), *args], capture_output=True, text=True, env=env, cwd=cwd)
+def run(script: str, fake: Path, *args: str, cwd: Path, **env: str) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PATH": f"{fake / 'bin'}:{os.environ['PATH']}", "FAKE": str(fake), "POLL_S": "0",
+           "WAIT_S": "60", **env}  # fmt: skip
+    return subprocess.run(["bash", str(REPO / script), *args], capture_output=True, text=True, env=env, cwd=cwd,
+                          timeout=300, check=False)  # fmt: skip
 
 
 def calls(fake: Path) -> list[str]:
     return (fake / "calls").read_text().splitlines() if (fake / "calls").exists() else []
+
+
+def polls(fake: Path) -> int:
+    return sum(c == "get rayjob/job-1 -o json" for c in calls(fake))
+
+
+def submit(kubectl: Path, tmp_path: Path, states: list[str], **env: str) -> subprocess.CompletedProcess:
+    manifest = tmp_path / "rayjob.yaml"
+    manifest.write_text("kind: RayJob\n")
+    write_states(kubectl / "rayjob", "job-1", states)
+    (kubectl / "calls").unlink(missing_ok=True)
+    (kubectl / "polls").unlink(missing_ok=True)
+    return run("ci/k8s/submit_rayjob.sh", kubectl, str(manifest), "job-1", "out", cwd=tmp_path, **env)
 
 
 def test_submit_applies_waits_for_success_and_keeps_the_logs(kubectl, tmp_path):
@@ -114,22 +116,113 @@ def test_submit_applies_waits_for_success_and_keeps_the_logs(kubectl, tmp_path):
     made = calls(kubectl)
     assert made[0] == f"apply --dry-run=server -f {manifest}"
     assert made.index("get pvc shared -o jsonpath={.spec.accessModes}") < made.index(f"apply -f {manifest}")
-    assert sum(c.startswith("get rayjob/job-1") for c in made) >= 3  # polled until Complete
+    assert polls(kubectl) == 3  # polled until Complete, not once more
     assert (tmp_path / "out/submitter.log").read_text() == "step:15 - done\n"
-    assert "Running/RUNNING" in done.stdout and "RayJob job-1: Complete/SUCCEEDED" in done.stdout
+    assert "deployment/job status Running/RUNNING" in done.stdout
+    assert done.stdout.rstrip().endswith(
+        "RayJob job-1: deployment status Complete, job status SUCCEEDED, reason none: Job finished successfully."
+    )
+
+
+# every state KubeRay v1.7 leaves a RayJob in (docs/kuberay_rayjob.md): the exit code and what the last line names
+ENDS = [
+    ("Failed/AppFailed", 1, ["job status FAILED, reason AppFailed: Job entrypoint command failed with exit code 1,",
+                             "critic/rewards/mean:0.031 RuntimeError: HCCL function error"]),
+    ("Failed/DeadlineExceeded", 1, ["deployment status Failed, job status RUNNING, reason DeadlineExceeded: The "
+                                    "RayJob has passed the activeDeadlineSeconds.", "ActiveDeadlineSeconds: 11100"]),
+    ("Failed/SubmissionFailed", 1, ["job status none, reason SubmissionFailed: Job submission has failed. "
+                                    "Reason: BackoffLimitExceeded."]),
+    ("Complete/STOPPED", 1, ["deployment status Complete, job status STOPPED, reason none: Job was intentionally "
+                             "stopped."]),
+    ("ValidationFailed", 2, ["deployment status ValidationFailed, job status none, reason ValidationFailed: The "
+                             "RayJob metadata is invalid: RayJob name should be no more than 47 characters"]),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("state", "code", "named"), ENDS, ids=[end[0] for end in ENDS])
+def test_submit_stops_waiting_at_every_end_and_names_its_status_reason_and_message(kubectl, tmp_path, state, code,
+                                                                                    named):  # fmt: skip
+    done = submit(kubectl, tmp_path, ["New", "Initializing", state])
+    assert done.returncode == code, done.stdout + done.stderr
+    assert polls(kubectl) == 3, "the wait went on past the end"
+    for text in named:
+        assert text in done.stdout, (text, done.stdout)
+    assert (tmp_path / "out/submitter.log").is_file() and (tmp_path / "out/rayjob-status.yaml").is_file()
+    if state == "ValidationFailed":
+        assert "KubeRay refused the RayJob's spec: nothing ran" in done.stderr
+
+
+def test_submit_waits_through_suspension_and_a_passing_api_error(kubectl, tmp_path):
+    done = submit(kubectl, tmp_path, ["Suspended", "Unreachable", "Running", "Complete/SUCCEEDED"])
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert polls(kubectl) == 4
+    assert "deployment/job status Suspended/none" in done.stdout
+    assert "unreadable: Unable to connect to the server" in done.stdout
+
+
+def test_submit_ends_when_the_rayjob_is_gone_or_the_wait_runs_out(kubectl, tmp_path):
+    done = submit(kubectl, tmp_path, ["Running", "NotFound"])
+    assert done.returncode == 1 and polls(kubectl) == 2
+    assert "RayJob job-1 no longer exists" in done.stderr and "last seen: Running/RUNNING" in done.stderr
+    done = submit(kubectl, tmp_path, ["Running"], WAIT_S="1", POLL_S="0.2")
+    assert done.returncode == 1
+    assert "RayJob job-1 not finished after 1 s; RayJob job-1: deployment status Running, job status RUNNING" in (
+        done.stderr
+    )
 
 
 def test_submit_fails_a_failed_job_and_refuses_a_claim_that_is_not_read_write_many(kubectl, tmp_path):
-    manifest = tmp_path / "rayjob.yaml"
-    manifest.write_text("kind: RayJob\n")
-    (kubectl / "states").write_text("Running/RUNNING\nFailed/FAILED\n")
-    assert run("ci/k8s/submit_rayjob.sh", kubectl, str(manifest), "job-1", "out", cwd=tmp_path).returncode == 1
-    (kubectl / "calls").unlink()
+    assert submit(kubectl, tmp_path, ["Running", "Failed/AppFailed"]).returncode == 1
     (kubectl / "modes").write_text('["ReadWriteOnce"]\n')
-    done = run("ci/k8s/submit_rayjob.sh", kubectl, str(manifest), "job-1", "out", cwd=tmp_path)
+    done = submit(kubectl, tmp_path, ["Running"])
     assert done.returncode == 2
     assert "claim shared has access modes" in done.stderr and "ReadWriteMany" in done.stderr
-    assert f"apply -f {manifest}" not in calls(kubectl)  # nothing was created
+    assert not any(c.startswith("apply -f") for c in calls(kubectl))  # nothing was created
+
+
+def test_submit_refuses_without_kubectl_naming_what_the_runner_needs(tmp_path):
+    manifest = tmp_path / "rayjob.yaml"
+    manifest.write_text("kind: RayJob\n")
+    bare = tmp_path / "bin"
+    bare.mkdir()
+    for tool in ("mkdir", "python3"):
+        (bare / tool).symlink_to(shutil.which(tool))
+    done = subprocess.run([shutil.which("bash"), str(REPO / "ci/k8s/submit_rayjob.sh"), str(manifest), "job-1", "out"],
+                          cwd=tmp_path, env={"PATH": str(bare)}, capture_output=True, text=True, timeout=60,
+                          check=False)  # fmt: skip
+    assert done.returncode == 2
+    assert "kubectl is not on PATH: the runner needs kubectl with access to the cluster" in done.stderr
+
+
+def test_the_job_checks_its_cluster_access_before_anything_is_created(job, kubectl, tmp_path):
+    access = step_index(job, "kubectl auth can-i create rayjobs.ray.io")
+    assert step_index(job, "bash install.sh --dev") < access < step_index(job, "ci/k8s/submit_rayjob.sh")
+    step = job["steps"][access]
+    assert step["env"] == {"ASCEND_KUBECONFIG": "${{ secrets.ASCEND_KUBECONFIG }}"}
+    github_env = tmp_path / "github_env"
+    runner_temp = tmp_path / "runner_temp"
+    runner_temp.mkdir()
+
+    def check(**env: str) -> subprocess.CompletedProcess:
+        github_env.write_text("")
+        path = f"{kubectl / 'bin'}:{os.environ['PATH']}"
+        env = {**os.environ, "PATH": path, "FAKE": str(kubectl), "GITHUB_ENV": str(github_env),
+               "RUNNER_TEMP": str(runner_temp), "ASCEND_KUBECONFIG": "", **env}  # fmt: skip
+        return subprocess.run(["bash", "-e", "-c", step["run"]], capture_output=True, text=True, timeout=60,
+                              check=False, env=env)  # fmt: skip
+
+    done = check()  # no secret: the runner pod's service account
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert github_env.read_text() == "" and (kubectl / "kubeconfig-seen").read_text() == ""
+    done = check(ASCEND_KUBECONFIG="apiVersion: v1\nkind: Config\n")
+    assert done.returncode == 0, done.stdout + done.stderr
+    kubeconfig = runner_temp / "kubeconfig"
+    assert kubeconfig.read_text().strip() == "apiVersion: v1\nkind: Config" and kubeconfig.stat().st_mode & 0o077 == 0
+    assert github_env.read_text() == f"KUBECONFIG={kubeconfig}\n"
+    assert (kubectl / "kubeconfig-seen").read_text() == str(kubeconfig)
+    (kubectl / "can-i").write_text("no\n")
+    done = check()
+    assert done.returncode == 1 and "::error::these credentials cannot create RayJobs" in done.stdout
 
 
 def test_copy_results_through_the_results_pod(kubectl, tmp_path):

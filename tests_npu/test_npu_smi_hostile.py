@@ -14,11 +14,21 @@ import time
 from pathlib import Path
 
 import pytest
-from support.doctor_env import NPU_SMI_A2, STACK, make_probe, make_tree, npu_smi_table, only
+from support.doctor_env import (
+    A3_CAPTURE,
+    NPU_SMI_A2,
+    STACK,
+    UNKNOWN_CAPTURE,
+    install_npu_smi,
+    make_probe,
+    make_tree,
+    npu_smi_capture,
+    only,
+)
 from support.processes import gone_soon, grandchild, hanging_script
 
 from verl_npu import doctor
-from verl_npu.doctor import FAIL, OK
+from verl_npu.doctor import FAIL, OK, WARN
 from verl_npu.doctor import report as doctor_report
 from verl_npu.stack import detect
 
@@ -116,6 +126,54 @@ def test_a_bad_probe_timeout_setting_is_named(monkeypatch):
         detect.command_timeout()
 
 
+def run_doctor_cli(bin_dir: Path, tree: Path, *args: str) -> tuple[subprocess.CompletedProcess[str], dict]:
+    env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}"}
+    env.pop("VERL_NPU_EXPECT_NPUS", None)
+    done = subprocess.run(
+        [sys.executable, "-m", "verl_npu.cli", "doctor", "--json", "--no-layer", "--site-packages", str(tree), *args],
+        capture_output=True, text=True, env=env, timeout=120, check=False,
+    )  # fmt: skip
+    assert done.returncode in (0, 1), done.stderr
+    return done, json.loads(done.stdout)
+
+
+def findings_of(report: dict) -> dict[str, dict]:
+    return {f["check"]: f for f in report["findings"] if f["check"].startswith("platform")}
+
+
+def test_the_doctor_cli_reads_a_real_a3_node_as_a3_with_16_npus(tmp_path):
+    """The acceptance of issue 27: fed a real A3 capture through an npu-smi on PATH, `verl-npu doctor
+    --expect-npus 16` says a3 and 16 NPUs on 8 cards (it said "unknown" and "npu-smi lists 8", and failed)."""
+    bin_dir = install_npu_smi(tmp_path / "bin", A3_CAPTURE)
+    _, report = run_doctor_cli(bin_dir, make_tree(tmp_path / "sp", {}), "--expect-npus", "16")
+    plat = report["platform"]
+    assert (plat["kind"], plat["target"], plat["devices"], plat["cards"]) == ("ascend", "a3", 16, 8)
+    assert report["target"] == "a3"
+    checks = findings_of(report)
+    assert checks["platform"]["status"] == OK, checks
+    expected = checks["platform.expected-npus"]
+    assert (expected["status"], expected["detail"]) == (OK, "16 NPUs on 8 cards (two dies each), 16 expected")
+
+
+def test_the_doctor_cli_takes_the_target_its_fix_names(tmp_path):
+    """An unrecognised chip: doctor's fix names `verl-npu doctor --target`, and that option exists."""
+    bin_dir = install_npu_smi(tmp_path / "bin", UNKNOWN_CAPTURE)
+    tree = make_tree(tmp_path / "sp", {})
+    done, report = run_doctor_cli(bin_dir, tree)
+    assert done.returncode == 1
+    fix = findings_of(report)["platform"]["fix"]
+    assert "`verl-npu doctor --target a2`" in fix
+    done, report = run_doctor_cli(bin_dir, tree, "--target", "a3")
+    assert report["target"] == "a3"
+    platform = findings_of(report)["platform"]
+    assert platform["status"] == WARN and "checked as target a3 because --target says so" in platform["detail"]
+    refused = subprocess.run(
+        [sys.executable, "-m", "verl_npu.cli", "doctor", "--target", "dev"], capture_output=True, text=True,
+        timeout=120, check=False,
+    )  # fmt: skip
+    assert refused.returncode == 2 and "invalid choice: 'dev'" in refused.stderr
+
+
 def test_the_doctor_cli_fails_on_a_failing_npu_smi(tmp_path):
     """`verl-npu doctor` used to say "CPU only (no npu-smi)", 0 failed, exit 0 here."""
     bin_dir = fake_npu_smi(tmp_path / "bin", stderr=DCMI, code=255)
@@ -184,6 +242,43 @@ def test_detect_target_refuses_output_without_an_npu_table(tmp_path, monkeypatch
     monkeypatch.setenv("PATH", f"{fake_npu_smi(tmp_path / 'bin', stdout=b'910B but no table')}:{os.environ['PATH']}")
     with pytest.raises(detect.UnknownChipError, match="printed no NPU table"):
         detect.detect_target()
-    table = npu_smi_table("910B3", 2).encode()
-    monkeypatch.setenv("PATH", f"{fake_npu_smi(tmp_path / 'bin2', stdout=table)}:{os.environ['PATH']}")
+    monkeypatch.setenv("PATH", f"{fake_npu_smi(tmp_path / 'bin2', stdout=NPU_SMI_A2.encode())}:{os.environ['PATH']}")
     assert detect.detect_target() == "a2"
+
+
+# --- ci/nightly/check_npus.sh: the first step of every Ascend job --------------------------------------
+
+
+def run_check_npus(tmp_path: Path, path: str) -> subprocess.CompletedProcess[str]:
+    env = {"PATH": path, "HOME": str(tmp_path), "ASCEND_ROOT": str(tmp_path / "no-ascend")}
+    return subprocess.run(["bash", str(REPO / "ci/nightly/check_npus.sh")], capture_output=True, text=True,
+                          cwd=REPO, env=env, timeout=120, check=False)  # fmt: skip
+
+
+def test_check_npus_names_the_npu_smi_it_used_and_keeps_its_output_whole(tmp_path):
+    bin_dir = install_npu_smi(tmp_path / "bin", A3_CAPTURE)
+    done = run_check_npus(tmp_path, f"{bin_dir}:/usr/bin:/bin")
+    assert done.returncode == 0, done.stderr
+    assert f"check_npus.sh: using npu-smi at {bin_dir}/npu-smi\n" in done.stderr
+    assert done.stdout == npu_smi_capture(A3_CAPTURE)  # run_job.sh keeps stdout as npu-smi.txt
+
+
+def test_check_npus_names_where_a_linked_npu_smi_really_is(tmp_path):
+    real = install_npu_smi(tmp_path / "driver-tools", A3_CAPTURE) / "npu-smi"
+    (tmp_path / "sbin").mkdir()
+    (tmp_path / "sbin" / "npu-smi").symlink_to(real)
+    done = run_check_npus(tmp_path, f"{tmp_path / 'sbin'}:/usr/bin:/bin")
+    assert done.returncode == 0, done.stderr
+    assert f"using npu-smi at {tmp_path / 'sbin' / 'npu-smi'} (-> {real})" in done.stderr
+
+
+def test_check_npus_says_it_found_none_or_which_one_failed(tmp_path):
+    (tmp_path / "empty").mkdir()
+    done = run_check_npus(tmp_path, f"{tmp_path / 'empty'}:/usr/bin:/bin")
+    assert done.returncode == 1
+    assert "check_npus.sh: found no npu-smi: npu-smi is not on PATH" in done.stderr and "pod template" in done.stderr
+    bin_dir = install_npu_smi(tmp_path / "bin", None, exit_code=3, stderr="dcmi module initialize failed. ret is -8005")
+    done = run_check_npus(tmp_path, f"{bin_dir}:/usr/bin:/bin")
+    assert done.returncode == 1
+    assert f'"npu-smi info" failed ({bin_dir}/npu-smi; its output is above)' in done.stderr
+    assert "ret is -8005" in done.stderr

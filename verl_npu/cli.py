@@ -77,7 +77,7 @@ def cmd_doctor(args: argparse.Namespace) -> int:
         return 2
     layer = not args.no_layer and not args.site_packages  # the layer probe runs this interpreter
     stack = load_stack(args.manifest)
-    report = doctor.diagnose(probe, stack, layer=layer, ray=not args.no_ray)
+    report = doctor.diagnose(probe, stack, layer=layer, ray=not args.no_ray, target=args.target)
     if args.report is not None:
         from verl_npu.doctor import report as doctor_report
 
@@ -366,6 +366,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="inspect these directories instead of this interpreter's sys.path (repeatable)",
     )
     p.add_argument("--build-manifest", metavar="FILE", help="build manifest to compare with (default: auto-detected)")
+    p.add_argument(
+        "--target",
+        choices=("a2", "a3"),
+        help="check against this target's stack where npu-smi does not say which it is (default: read the node; "
+        "a node npu-smi shows as the other target fails); docs/hardware_detection.md",
+    )
     p.add_argument("--no-layer", action="store_true", help="skip the runtime-layer checks (process and Ray worker)")
     p.add_argument("--no-ray", action="store_true", help="check the layer in a process but not in a Ray worker")
     p.add_argument(

@@ -143,3 +143,33 @@ def required(section: Mapping[str, Any], key: str, *, prefix: str = "", source: 
     if value is None:
         raise InputError(f"{prefix}{key}", None, "a value (it is missing)", source=source)
     return value
+
+
+# Kubernetes resource quantities as `verl-npu k8s render` accepts them: a decimal number with an optional binary
+# (Ki..Ei), decimal (k..E) or milli (m) suffix. The API server also takes exponents (1e3); a render never needs one.
+_QUANTITY = re.compile(r"(?P<number>[0-9]+(?:\.[0-9]+)?)(?P<suffix>Ki|Mi|Gi|Ti|Pi|Ei|m|k|M|G|T|P|E)?")
+_QUANTITY_SCALE = {
+    None: 1, "m": 1e-3, "k": 1e3, "M": 1e6, "G": 1e9, "T": 1e12, "P": 1e15, "E": 1e18,
+    "Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40, "Pi": 2**50, "Ei": 2**60,
+}  # fmt: skip
+
+
+def _quantity_value(text: str) -> float | None:
+    m = _QUANTITY.fullmatch(text)
+    return float(m["number"]) * _QUANTITY_SCALE[m["suffix"]] if m else None
+
+
+def quantity(key: str, value: Any, *, minimum: str | None = None, maximum: str | None = None,
+             source: str | None = None) -> float:  # fmt: skip
+    """A Kubernetes quantity (``512Gi``, ``64``, ``500m``) in base units (bytes, cores), within [minimum, maximum],
+    which are quantities too and are shown as written."""
+    bounds = " ".join(filter(None, (f"from {minimum}" if minimum else "", f"to {maximum}" if maximum else "")))
+    allowed = " ".join(filter(None, ("a Kubernetes quantity (such as 512Gi, 64 or 500m)", bounds)))
+    parsed = _quantity_value(value) if isinstance(value, str) and len(value) <= 40 else None
+    if parsed is None:
+        raise InputError(key, value, allowed, source=source)
+    low = _quantity_value(minimum) if minimum else None
+    high = _quantity_value(maximum) if maximum else None
+    if (low is not None and parsed < low) or (high is not None and parsed > high):
+        raise InputError(key, value, allowed, source=source)
+    return parsed

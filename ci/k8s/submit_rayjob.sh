@@ -7,6 +7,11 @@
 # every shared claim the manifest mounts must be ReadWriteMany (the launch writes on the head what
 # the workers read). WAIT_S bounds the wait (default: 3 h 15 min, past the RayJob's own deadline);
 # POLL_S is the interval between status reads (default 30 s).
+# The wait ends at every deployment status after which KubeRay changes nothing (docs/kuberay_rayjob.md):
+# Complete, Failed and ValidationFailed, and when the RayJob is gone; the last line names the status, the
+# job status and KubeRay's reason and message.
+# Exit: 0 the Ray job SUCCEEDED; 1 it ended otherwise, the RayJob vanished or the wait ran out; 2 refused
+# before anything ran (no manifest, a claim that is not ReadWriteMany, KubeRay's ValidationFailed, no kubectl).
 # Deleting the objects is ci/k8s/cleanup.sh's job (the workflow runs it whatever happened here).
 set -euo pipefail
 
@@ -16,6 +21,12 @@ OUT="${3:?usage: submit_rayjob.sh MANIFEST NAME OUT_DIR}"
 WAIT_S="${WAIT_S:-11700}"
 POLL_S="${POLL_S:-30}"
 [[ -f "$MANIFEST" ]] || { echo "submit_rayjob.sh: no manifest $MANIFEST (render it with verl-npu k8s render rayjob)" >&2; exit 2; }
+for tool in kubectl python3; do
+  command -v "$tool" >/dev/null || {
+    echo "submit_rayjob.sh: $tool is not on PATH: the runner needs kubectl with access to the cluster, and python3 (ci/README.md)" >&2
+    exit 2
+  }
+done
 mkdir -p "$OUT"
 
 kubectl apply --dry-run=server -f "$MANIFEST" >/dev/null
@@ -31,16 +42,35 @@ for claim in "${claims[@]}"; do
 done
 
 kubectl apply -f "$MANIFEST"
+
+# One line from the RayJob's JSON on stdin: deployment status, job status, reason, message, separated by the
+# ASCII unit separator (not whitespace, so empty fields stay fields), whitespace in each folded: Ray's failure
+# message carries the log's last lines.
+STATUS_FIELDS='import json, sys
+status = json.load(sys.stdin).get("status") or {}
+keys = ("jobDeploymentStatus", "jobStatus", "reason", "message")
+print("\x1f".join(" ".join(str(status.get(key) or "").split()) for key in keys))'
+
 deadline=$((SECONDS + WAIT_S))
-last=""
+errors="$(mktemp)"
+trap 'rm -f "$errors"' EXIT
+last="" deployment="" job_status="" reason="" message="" ended=""
 while :; do
-  state="$(kubectl get "rayjob/$NAME" -o jsonpath='{.status.jobDeploymentStatus}/{.status.jobStatus}')" \
-    || state="unreadable/"  # a passing API error; the deadline still bounds the wait
-  [[ "$state" == "$last" ]] || echo "$(date -u +%H:%M:%S) RayJob $NAME: deployment/job status $state"
+  if doc="$(kubectl get "rayjob/$NAME" -o json 2>"$errors")" &&
+    fields="$(python3 -c "$STATUS_FIELDS" <<<"$doc" 2>>"$errors")"; then
+    IFS=$'\x1f' read -r deployment job_status reason message <<<"$fields" || true
+    state="${deployment:-New}/${job_status:-none}"
+  elif grep -q '(NotFound)' "$errors"; then
+    ended=gone
+    break
+  else
+    state="unreadable: $(tail -n 1 "$errors")"  # a passing API error; the deadline still bounds the wait
+  fi
+  [[ "$state" == "$last" ]] || echo "$(date -u +%H:%M:%S) RayJob $NAME: deployment/job status $state${reason:+ ($reason)}"
   last="$state"
-  case "${state%%/*}" in Complete | Failed) break ;; esac
+  case "$deployment" in Complete | Failed | ValidationFailed) ended=status && break ;; esac
   if ((SECONDS >= deadline)); then
-    echo "submit_rayjob.sh: RayJob $NAME not finished after $WAIT_S s" >&2
+    ended=timeout
     break
   fi
   sleep "$POLL_S"
@@ -55,9 +85,19 @@ done
 kubectl get "rayjob/$NAME" -o yaml >"$OUT/rayjob-status.yaml" 2>&1 || true
 tail -n 50 "$OUT/submitter.log"
 
-job_status="${state#*/}"
-echo "RayJob $NAME: $state"
-if [[ "$job_status" != SUCCEEDED ]]; then
-  kubectl get pods -l "app.kubernetes.io/instance=$NAME" -o wide || true
-  exit 1
+verdict="RayJob $NAME: deployment status ${deployment:-none}, job status ${job_status:-none}"
+[[ -z "$reason$message" ]] || verdict+=", reason ${reason:-none}: ${message:-no message}"
+case "$ended" in
+  gone) echo "submit_rayjob.sh: RayJob $NAME no longer exists (deleted before it finished; last seen: ${last:-never})" >&2 ;;
+  timeout) echo "submit_rayjob.sh: RayJob $NAME not finished after $WAIT_S s; $verdict" >&2 ;;
+  *) echo "$verdict" ;;
+esac
+if [[ "$ended" == status && "$deployment" == Complete && "$job_status" == SUCCEEDED ]]; then
+  exit 0
 fi
+kubectl get pods -l "app.kubernetes.io/instance=$NAME" -o wide || true
+if [[ "$deployment" == ValidationFailed ]]; then
+  echo "submit_rayjob.sh: KubeRay refused the RayJob's spec: nothing ran. Fix the render (verl-npu k8s render) for: $message" >&2
+  exit 2
+fi
+exit 1

@@ -12,7 +12,14 @@ import io
 import os
 
 import pytest
-from hypothesis import HealthCheck, settings
+
+try:
+    from hypothesis import HealthCheck, settings
+except ModuleNotFoundError as exc:  # collection stops here: say which install brings it
+    raise ModuleNotFoundError(
+        f"{exc}: tests_npu/fuzz needs verl-npu's test extra (pip install -e '.[test]'; the images and "
+        "bash install.sh --dev install it)"
+    ) from exc
 
 settings.register_profile(
     "ci",

@@ -240,7 +240,7 @@ def _decoded(data: bytes) -> str:
 def test_npu_smi_garbage_is_never_an_ascend_node_that_is_ok(output):
     plat, findings, section = _doctor_on(output)
     if plat.target in ("a2", "a3"):
-        assert detect.npu_count(output), output  # a chip only from an NPU table that was read
+        assert detect.read_npu_smi(output).chips, output  # a chip only from an NPU table that was read
     else:
         assert all(f.status == FAIL for f in findings if f.check.startswith("platform")) or plat.kind != "ascend"
     if "|" not in output:  # no table at all: nothing is healthy
@@ -251,18 +251,21 @@ def test_npu_smi_garbage_is_never_an_ascend_node_that_is_ok(output):
 
 @given(st.data())
 def test_npu_smi_table_with_garbage_spliced_in_reads_or_fails_cleanly(data):
-    from support.doctor_env import NPU_SMI_A2, NPU_SMI_A3
+    """Real captures (tests_npu/data/npu_smi/) with bytes cut out and junk spliced in."""
+    from support.doctor_env import CAPTURES, npu_smi_capture
 
-    table = data.draw(st.sampled_from([NPU_SMI_A2, NPU_SMI_A3]))
+    table = npu_smi_capture(data.draw(st.sampled_from(sorted(CAPTURES))))
     at = data.draw(st.integers(0, len(table)))
     cut = data.draw(st.integers(0, 200))
     junk = _decoded(data.draw(st.binary(max_size=120)))
     output = table[:at] + junk + table[at + cut :]
-    plat, findings, _ = _doctor_on(output)
+    plat, findings, section = _doctor_on(output)
     platform = [f for f in findings if f.check == "platform"]
     assert len(platform) == 1
     if platform[0].status == OK and plat.kind == "ascend":
         assert plat.devices and plat.devices >= 1
+        # the report's NPU count is the count doctor checked: one reading of the table
+        assert f"{detect.npus_phrase(plat.devices, plat.cards)} listed by `npu-smi info`" in section
 
 
 @given(st.one_of(st.none(), st.integers(-255, 255)), st.text(max_size=200), st.one_of(st.none(), st.floats(0.1, 99)))

@@ -1,9 +1,10 @@
 """Constructed environments for the doctor's tests (tests_npu/test_doctor*.py).
 
 Each test builds what the doctor looks at: fake site-packages trees (``*.dist-info/METADATA`` plus
-package directories), canned ``npu-smi`` / ``nvidia-smi`` output, a fake Ascend install root,
-build-manifest JSON files and resource limits. The rules themselves are never mocked; the only
-stand-in is ``os.statvfs`` for a tiny /dev/shm (the ``shm_size`` fixture).
+package directories), real ``npu-smi info`` captures (tests_npu/data/npu_smi/, sources in its
+SOURCES.md), canned ``nvidia-smi`` output, a fake Ascend install root, build-manifest JSON files and
+resource limits. The rules themselves are never mocked; the stand-ins are ``os.statvfs`` for a tiny
+/dev/shm (the ``shm_size`` fixture) and an ``npu-smi`` on PATH that prints a capture (``install_npu_smi``).
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import hashlib
 import json
 import os
 import resource
+import shlex
 import types
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
@@ -52,37 +54,63 @@ DEV_MODULES = ["megatron/core", f"{LAYER.replace('.', '/')}.py"]
 NPU_MODULES = [*DEV_MODULES, "megatron_adaptor", "transformer_engine", "mindspeed", "vllm_ascend", "torch_npu", "vllm"]
 
 
-_NPU_SMI_HEAD = """\
-+-------------------------------------------------------------------------------------------+
-| npu-smi 25.3.rc1                 Version: 25.3.rc1                                        |
-+---------------------------+---------------+-----------------------------------------------+
-| NPU   Name                | Health        | Power(W)    Temp(C)     Hugepages-Usage(page) |
-| Chip                      | Bus-Id        | AICore(%)   Memory-Usage(MB)  HBM-Usage(MB)   |
-+===========================+===============+===============================================+
-"""
+NPU_SMI_DATA = Path(__file__).resolve().parents[1] / "data" / "npu_smi"
 
 
-_NPU_SMI_SEP = "+===========================+===============+===============================================+"
+def npu_smi_capture(name: str) -> str:
+    """A real `npu-smi info` capture from tests_npu/data/npu_smi/ (SOURCES.md names where each came from)."""
+    return (NPU_SMI_DATA / name).read_text()
 
 
-def npu_smi_table(chip: str, count: int, bus_ids: Sequence[str] | None = None) -> str:
-    """`npu-smi info` as it prints ``count`` NPUs named ``chip`` (one chip row each)."""
-    bus_ids = bus_ids or [f"0000:{0xC1 + i:02X}:00.0" for i in range(count)]
-    rows = []
-    for i in range(count):
-        rows.append(f"| {i:<5} {chip:<19} | OK            | 93.6        40          0    / 0          |")
-        rows.append(f"| 0                         | {bus_ids[i]}  | 0           0    / 0          3396 / 65536 |")
-        rows.append(_NPU_SMI_SEP)
-    return _NPU_SMI_HEAD + "\n".join(rows) + "\n"
+# Atlas A3: 8 cards of two dies, npu-smi 25.2.1 (vllm-project/vllm-ascend#4989)
+A3_CAPTURE = "a3_25.2.1_vllm-ascend-4989.txt"
+# Atlas A3 under load: the process table below lists "| 0       0 |"-shaped rows (vllm-project/vllm-ascend#3002)
+A3_BUSY_CAPTURE = "a3_25.2.0_busy_vllm-ascend-3002.txt"
+# Atlas A3, npu-smi 24.1.rc3.7 (vllm-project/vllm-ascend#2667)
+A3_OLD_CAPTURE = "a3_24.1.rc3.7_vllm-ascend-2667.txt"
+# Atlas A2 with 8 910B3 chips: a "B3" chip on an A2 node (vllm-project/vllm-ascend#3024)
+A2_CAPTURE = "a2_910B3_24.1.0.3_vllm-ascend-3024.txt"
+# Atlas A2 with 16 910B2C chips: 16 NPUs that are not an A3 node (vllm-project/vllm-ascend#621)
+A2_X16_CAPTURE = "a2_910B2C_x16_24.1.rc2.2_vllm-ascend-621.txt"
+# Atlas 300I Duo class 310P3 chips, which verl-npu has no stack for (vllm-project/vllm-ascend#2712)
+UNKNOWN_CAPTURE = "310P3_25.2.0_vllm-ascend-2712.txt"
+CAPTURES = {  # file -> (target, NPUs, cards) the capture shows
+    A3_CAPTURE: ("a3", 16, 8),
+    A3_BUSY_CAPTURE: ("a3", 16, 8),
+    A3_OLD_CAPTURE: ("a3", 16, 8),
+    A2_CAPTURE: ("a2", 8, 8),
+    A2_X16_CAPTURE: ("a2", 16, 16),
+    UNKNOWN_CAPTURE: ("unknown", 6, 6),
+}
 
 
-NPU_SMI_A2 = npu_smi_table("910B3", 8)
+NPU_SMI_A2 = npu_smi_capture(A2_CAPTURE)
 
 
-NPU_SMI_A3 = npu_smi_table("Ascend910_9392", 16)
+NPU_SMI_A3 = npu_smi_capture(A3_CAPTURE)
 
 
-NPU_SMI_UNKNOWN = npu_smi_table("310P3", 2)
+NPU_SMI_UNKNOWN = npu_smi_capture(UNKNOWN_CAPTURE)
+
+
+def install_npu_smi(bin_dir: Path, capture: str | None, *, exit_code: int = 0, stderr: str = "") -> Path:
+    """Put an ``npu-smi`` on PATH (``bin_dir``) that stands in for the driver's tool.
+
+    It prints the capture ``capture`` (a file of tests_npu/data/npu_smi/) for `npu-smi info` and
+    ``stderr`` then exits ``exit_code``; asked anything else, it exits 2 saying so, like a tool that
+    does not know the option. Returns ``bin_dir``.
+    """
+    bin_dir.mkdir(parents=True, exist_ok=True)
+    tool = bin_dir / "npu-smi"
+    shown = f"cat {shlex.quote(str(NPU_SMI_DATA / capture))}" if capture else ":"
+    tool.write_text(
+        "#!/bin/sh\n"
+        "# stands in for the NPU driver's npu-smi: prints a real capture (tests_npu/data/npu_smi/SOURCES.md)\n"
+        'if [ "$#" -ne 1 ] || [ "$1" != info ]; then echo "npu-smi stand-in: only \\`npu-smi info\\`" >&2; exit 2; fi\n'
+        f"{shown}\n" + (f"printf '%s\\n' {shlex.quote(stderr)} >&2\n" if stderr else "") + f"exit {exit_code}\n"
+    )
+    tool.chmod(0o755)
+    return bin_dir
 
 
 NVIDIA_SMI = (

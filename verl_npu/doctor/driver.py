@@ -49,8 +49,11 @@ class Report:
         return checks.summary(self.findings)
 
 
-def checked_target(plat: Platform, built: dict | None) -> str:
-    """The target the rules check: the node's, else the image's (an Ascend image inspected without NPUs)."""
+def checked_target(plat: Platform, built: dict | None, requested: str | None = None) -> str:
+    """The target the rules check: ``requested`` (`--target`), else the node's, else the image's (an Ascend
+    image inspected without NPUs)."""
+    if requested is not None:
+        return requested
     target = plat.target if plat.target != UNKNOWN else (built or {}).get("target", "dev")
     if plat.kind != "ascend" and built is not None and built.get("target") in NPU_TARGETS:
         target = built["target"]
@@ -64,13 +67,18 @@ def diagnose(
     layer: bool = False,
     ray: bool = True,
     contracts: Sequence[Any] | None = None,
+    target: str | None = None,
 ) -> Report:
+    """Every rule over ``probe``; ``target`` (a2 or a3, `verl-npu doctor --target`) overrides the detected one."""
+    if target is not None and target not in NPU_TARGETS:
+        raise ValueError(f"target {target!r}: doctor checks a2 or a3 when told a target")
+    requested = target
     probe = probe or Probe.current()
     stack = stack or load_stack()
     plat = detect_platform(probe)
     built, findings = read_built(probe)
-    target = checked_target(plat, built)
-    findings += check_platform(probe, stack, plat, target, built)
+    target = checked_target(plat, built, requested)
+    findings += check_platform(probe, stack, plat, target, built, requested)
     findings += check_expected_npus(probe, plat)
     findings += check_versions(probe, stack, target)
     if not any(f.check == "build-manifest" for f in findings):

@@ -3,8 +3,9 @@
 It holds what a maintainer asks for first (vllm-ascend asks for its ``collect_env`` output the same
 way): versions against the manifest and the build manifest, CANN / driver / firmware, the NPUs and
 their health, the torch / torch_npu / triton pairing, the runtime patches in a fresh ``import verl``
-process and in a Ray worker, the HCCL_*, ASCEND_*, VERL_* and RAY_* variables (secrets redacted by
-name), and doctor's findings. Whatever it cannot read is listed with the reason, so a short report
+process and in a Ray worker, the HCCL_*, ASCEND_*, VERL_* and RAY_* variables, and doctor's findings.
+Secrets are redacted by a variable's name and, over the whole page, by their shape
+(:mod:`verl_npu.doctor.redaction`). Whatever it cannot read is listed with the reason, so a short report
 on a dev box or in an image without NPUs still says why each part is missing.
 """
 
@@ -21,23 +22,12 @@ from pathlib import Path
 from typing import Any
 
 from verl_npu import __version__, checks, doctor
+from verl_npu.doctor.redaction import REDACTED, redact, redact_text  # noqa: F401  (REDACTED: re-exported)
 from verl_npu.stack import Stack, build_manifest
-from verl_npu.stack.detect import CommandFailed
+from verl_npu.stack.detect import CommandFailed, npus_phrase, read_npu_smi
 
 ENV_PREFIXES = ("HCCL_", "ASCEND_", "VERL_", "RAY_")
-# A variable whose name contains one of these words never shows its value.
-SECRET_NAME = re.compile(r"TOKEN|SECRET|PASSW|PWD|KEY|CREDENTIAL|AUTH|COOKIE|SESSION|PRIVATE|CERT", re.I)
-URL_USERINFO = re.compile(r"(?P<scheme>[a-z][a-z0-9+.-]*://)[^/@\s]+@", re.I)
-REDACTED = "<redacted>"
-NPU_ROW = re.compile(r"^\|\s*(\d+)\s+(\S*910\S*)\s*\|\s*([A-Za-z]+)", re.M)
 NPU_SMI_VERSION = re.compile(r"npu-smi\s+\S+\s+Version:\s*(\S+)")
-
-
-def redact(name: str, value: str) -> str:
-    """The value to show for an environment variable: hidden when its name says secret, no URL credentials."""
-    if SECRET_NAME.search(name):
-        return REDACTED
-    return URL_USERINFO.sub(lambda m: f"{m['scheme']}{REDACTED}@", value)
 
 
 def _cell(value: Any) -> str:
@@ -147,12 +137,15 @@ def _npus(w: _Writer, probe: doctor.Probe, plat: doctor.Platform, npu_smi: str |
         w.not_read("NPU count and health", why)
         w.add("", f"Platform: {plat.detail}.")
         return
-    rows = [(npu, name, health) for npu, name, health in NPU_ROW.findall(npu_smi)]
-    unhealthy = [r for r in rows if r[2].upper() != "OK"]
-    w.add(f"{len(rows)} NPU(s) listed by `npu-smi info`; {len(unhealthy)} not OK.", "")
+    # the one reading of the table (verl_npu.stack.detect): the count here is the count doctor checks
+    table = read_npu_smi(npu_smi)
+    rows = [(c.npu, c.chip, "" if c.device is None else c.device, c.name, c.health, c.bus_id) for c in table.chips]
+    unhealthy = [c for c in table.chips if c.health.upper() != "OK"]
     if rows:
-        w.add(*_table(("NPU", "name", "health"), rows))
+        w.add(f"{npus_phrase(len(rows), table.cards)} listed by `npu-smi info`; {len(unhealthy)} not OK.", "")
+        w.add(*_table(("NPU", "chip", table.id_column or "device", "name", "health", "Bus-Id"), rows))
     else:
+        w.add("No NPU listed by `npu-smi info`.", "")
         w.not_read("NPU health", "no NPU rows recognised in `npu-smi info` (its output is below)")
     w.add("", "<details><summary>npu-smi info</summary>", "", "```", npu_smi.rstrip(), "```", "", "</details>")
 
@@ -182,6 +175,10 @@ def _layer(w: _Writer, report: doctor.Report, layer_requested: bool) -> None:
     if worker is None:
         w.add("")
         w.not_read("the layer in a Ray worker", "Ray is not installed, or doctor ran with --no-ray")
+    elif worker.get("failed"):  # Ray could not run the check; the finding names the cause
+        why = next((f.detail for f in report.findings if f.check == "layer.ray-worker"), str(worker.get("error")))
+        w.add("")
+        w.not_read("the layer in a Ray worker", why)
     else:
         w.add(
             f"Ray worker: layer {'active' if worker.get('active') else 'NOT active'}, platform "
@@ -234,7 +231,8 @@ def render(
     _findings(w, report)
     w.section("Not read")
     w.add(*(f"- {what}: {why}" for what, why in w.unread) if w.unread else ["Everything was read."])
-    return "\n".join(w.lines).rstrip() + "\n"
+    # Everything above came from this node's environment, files and commands: no secret shape leaves it.
+    return redact_text("\n".join(w.lines).rstrip() + "\n")
 
 
 def write(text: str, path: Path) -> None:

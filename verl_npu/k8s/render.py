@@ -16,7 +16,14 @@ One env file and one launch script describe the cluster, as for a bare-metal run
 - shared storage: ReadWriteMany PVCs mounted at the same path on every pod (models, data,
   checkpoints and results: the launch writes on the head what workers read);
 - the image of the chip built from the stack manifest and a commit (verl_npu.ci.images), never a
-  floating tag, with image pull secrets.
+  floating tag, with image pull secrets;
+- per pod, requests = limits of CPU and memory that the nodes can hold (defaults.py), no deadline unless one is
+  asked for (--deadline, or --step-time times the launch's trainer.total_training_steps), and the host side of
+  the NPUs as typed hostPath mounts.
+
+Before anything is written, preflight (verl_npu.preflight) checks the trainer launch the pods will run with the
+env file they will read: a NO-GO, or a busiest node whose host RAM estimate plus /dev/shm exceeds the memory
+request, refuses the render (LaunchRefused, exit 1) naming the numbers.
 
 For KubeRay the head's container only starts Ray; the RayJob's entrypoint waits until the head's
 ray_start.sh has seen every NPU and passed its HCCL smoke test, then runs the launch. For Volcano
@@ -26,20 +33,29 @@ the job completes with the head.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import math
 import os
 import re
 import shlex
+import tempfile
+from collections.abc import Iterator
 from pathlib import Path, PurePosixPath
 from typing import Any
 
+from verl_npu import inputs
 from verl_npu.envfile import env_file_variables
 from verl_npu.errors import UserError
 from verl_npu.k8s import validate
 from verl_npu.k8s.defaults import (
-    DEFAULT_HOST_PATHS,
+    DEFAULT_CPU,
+    DEFAULT_HOST_DIRECTORIES,
+    DEFAULT_HOST_FILES,
+    DEFAULT_MEMORY,
     DEFAULT_NPU_RESOURCE,
     DEFAULT_PULL_SECRET,
+    DEFAULT_SHM_SIZE,
     DEFAULT_VOLUMES,
 )
 from verl_npu.stack.manifest import MANIFEST_PATH, REPO_ROOT, StackError, load_stack
@@ -70,20 +86,37 @@ DASHBOARD_PORT, CLIENT_PORT = 8265, 10001
 # plus time for image pulls on the slowest node.
 CLUSTER_WAIT_S = 2400
 READY_MARKER = "/tmp/verl-npu-ray-ready"
-SHM_MIN_GIB = 1  # verl-npu doctor fails a node whose /dev/shm is under 1 GiB
+SHM_MIN = "1Gi"  # verl-npu doctor fails a node whose /dev/shm is under 1 GiB
+# Bounds no real cluster comes near; they stop a typo (or a hostile value) before it reaches a manifest.
+CPU_MIN, CPU_MAX = "1", "4096"  # a Ray node that runs NPU workers needs a whole core
+MEMORY_MIN, MEMORY_MAX = "1Gi", "1Pi"
+MAX_DEADLINE_S = 366 * 24 * 3600
+MAX_STEP_TIME_S = 7 * 24 * 3600
+MAX_TTL_S = 30 * 24 * 3600
+# Without a deadline the results pod (--results-pod) ends after a week unless cleanup.sh deletes it first.
+RESULTS_POD_LIFETIME_S = 7 * 24 * 3600
+# hostPath types (Kubernetes' HostPathType): the kubelet checks them before the container starts.
+HOST_DIRECTORY, HOST_FILE = "Directory", "File"
+# Annotations on the RayJob / Volcano Job: what the render checked and the deadline it set, and why.
+PREFLIGHT_ANNOTATION = "verl-npu/preflight"
+DEADLINE_ANNOTATION = "verl-npu/deadline"
+GiB = 2**30
 _TAG_IMAGE = re.compile(r"^(?P<repo>[a-z0-9.-]+(:\d+)?(/[a-z0-9._-]+)+):(?P<tag>[A-Za-z0-9._-]+)$")
 _REGISTRY = re.compile(r"^[a-z0-9.-]+(:\d+)?(/[a-z0-9._-]+)*$")
-_QUANTITY = re.compile(r"^(?P<number>[0-9]+(\.[0-9]+)?)(?P<suffix>Ki|Mi|Gi|Ti|Pi|Ei|m|k|M|G|T|P|E)?$")
-_SUFFIX = {
-    None: 1, "m": 1e-3, "k": 1e3, "M": 1e6, "G": 1e9, "T": 1e12, "P": 1e15, "E": 1e18,
-    "Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40, "Pi": 2**50, "Ei": 2**60,
-}  # fmt: skip
 _RESOURCE_NAME = re.compile(r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?/[A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?$")
 _POSITIVE_INT = re.compile(r"^[1-9][0-9]*$")
 
 
 class RenderError(UserError):
     """A bad input: the message names the option, file or key, the value, and the fix."""
+
+
+class LaunchRefused(Exception):
+    """Preflight judged the launch as the pods would run it and found problems (exit 1, nothing written)."""
+
+    def __init__(self, problems: list[str]) -> None:
+        self.problems = problems
+        super().__init__("\n".join(problems))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -103,18 +136,33 @@ class Request:
     volumes: tuple[tuple[str, str], ...] = DEFAULT_VOLUMES  # (claim, mount path)
     pull_secrets: tuple[str, ...] = (DEFAULT_PULL_SECRET,)
     npu_resource: str = DEFAULT_NPU_RESOURCE
-    shm_size: str = "256Gi"
-    cpu: str = "160"
-    memory: str = "1400Gi"
+    shm_size: str = DEFAULT_SHM_SIZE
+    cpu: str = DEFAULT_CPU
+    memory: str = DEFAULT_MEMORY
     ray_start: Path = Path("examples/glm5_2/ray_start.sh")
-    deadline_s: int = 3 * 3600
-    ttl_s: int = 600
+    # The run's deadline: none by default; --deadline seconds, or --step-time seconds per training step times the
+    # trainer launch's trainer.total_training_steps plus --startup-time. Parsed by resolve() (verl_npu.inputs).
+    deadline_s: Any = None
+    step_time_s: Any = None
+    startup_time_s: Any = None
+    ttl_s: Any = 600
     namespace: str | None = None
     queue: str = "default"
     results_pod: bool = False
-    host_paths: tuple[str, ...] = DEFAULT_HOST_PATHS
+    host_directories: tuple[str, ...] = DEFAULT_HOST_DIRECTORIES
+    host_files: tuple[str, ...] = DEFAULT_HOST_FILES
+    # The script that runs the verl trainer when --launch runs it through another (ci/nightly/run_job.sh runs
+    # ci/nightly/jobs/JOB.sh); preflight and --step-time read it. None: --launch itself, with the launch arguments.
+    trainer_launch: Path | None = None
+    model_config: str | None = None  # preflight's --model-config
+    preflight: bool = True
     repo: Path = REPO_ROOT
     manifest: Path = MANIFEST_PATH
+
+    @property
+    def host_paths(self) -> tuple[tuple[str, str], ...]:
+        """(path, hostPath type) of every host path the node pods mount."""
+        return (*((p, HOST_DIRECTORY) for p in self.host_directories), *((p, HOST_FILE) for p in self.host_files))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -132,6 +180,13 @@ class Cluster:
     env_text: str  # the ConfigMap's copy of the env file
     launch: PurePosixPath  # in the image
     ray_start: PurePosixPath  # in the image
+    trainer_launch: Path  # on this machine: the script preflight and the step count read
+    trainer_args: tuple[str, ...]  # its arguments
+    memory_bytes: float
+    shm_bytes: float
+    ttl_s: int
+    deadline_s: int | None
+    deadline_note: str  # how the deadline was set (the Job's annotation)
 
     @property
     def name(self) -> str:
@@ -150,11 +205,12 @@ class Cluster:
 
 
 def quantity(value: str, option: str) -> float:
-    """A Kubernetes quantity in base units (bytes, cores); RenderError naming ``option``."""
-    m = _QUANTITY.match(str(value))
-    if not m:
-        raise RenderError(f"{option} {value!r} is not a Kubernetes quantity (e.g. 256Gi, 1400Gi, 160, 500m)")
-    return float(m["number"]) * _SUFFIX[m["suffix"]]
+    """A Kubernetes quantity in base units (bytes, cores); an InputError naming ``option`` (verl_npu.inputs)."""
+    return inputs.quantity(option, value)
+
+
+def _gib(value: float) -> str:
+    return f"{value / GiB:.1f} GiB"
 
 
 def _check_name(request: Request) -> None:
@@ -221,8 +277,8 @@ def _image(request: Request) -> str:
         raise RenderError(f"--commit/--registry: {exc}") from None
 
 
-def _in_repo(path: Path, repo: Path, option: str) -> PurePosixPath:
-    """The image path of a file of the repository (the images carry the repository at IMAGE_SOURCE)."""
+def _repo_file(path: Path, repo: Path, option: str) -> Path:
+    """A file of the repository, on this machine (the images carry the repository at IMAGE_SOURCE)."""
     full = (path if path.is_absolute() else repo / path).resolve()
     root = repo.resolve()
     if not full.is_relative_to(root):
@@ -232,15 +288,22 @@ def _in_repo(path: Path, repo: Path, option: str) -> PurePosixPath:
         )
     if not full.is_file():
         raise RenderError(f"{option} {path}: no such file in {root}")
-    return IMAGE_SOURCE / full.relative_to(root).as_posix()
+    return full
 
 
-def _shape(request: Request, values: dict[str, str], key: str, flag: int | None, option: str) -> int:
+def _in_repo(path: Path, repo: Path, option: str) -> PurePosixPath:
+    """The image path of a file of the repository."""
+    return IMAGE_SOURCE / _repo_file(path, repo, option).relative_to(repo.resolve()).as_posix()
+
+
+def _shape(request: Request, values: dict[str, str], key: str, flag: int | None, option: str, most: int) -> int:
     in_file = values.get(key)
     if in_file is not None and not _POSITIVE_INT.match(in_file):
         raise RenderError(f"{request.env_file}: {key}={in_file!r} is not a positive integer")
-    if flag is not None and (isinstance(flag, bool) or not isinstance(flag, int) or flag < 1):
-        raise RenderError(f"{option} {flag!r} is not a positive integer")
+    if in_file is not None:
+        inputs.integer(key, in_file, minimum=1, maximum=most, source=str(request.env_file))
+    if flag is not None:
+        flag = inputs.integer(option, flag, minimum=1, maximum=most)
     if in_file is not None and flag is not None and int(in_file) != flag:
         raise RenderError(f"{option} {flag} contradicts {key}={in_file} in {request.env_file}: drop one of them")
     if in_file is None and flag is None:
@@ -284,10 +347,11 @@ def _check_volumes(request: Request) -> None:
                 f"--pvc {claim}={mount}: {mount} is already mounted (by another --pvc, /dev/shm or the config)"
             )
         seen.add(mount)
-    for path in request.host_paths:
+    for path, kind in request.host_paths:
+        option = "--host-path" if kind == HOST_DIRECTORY else "--host-file"
         pure = PurePosixPath(path)
         if not pure.is_absolute() or str(pure) != path or path == "/" or path in seen:
-            raise RenderError(f"--host-path {path!r}: give an absolute, normalised path that no other mount uses")
+            raise RenderError(f"{option} {path!r}: give an absolute, normalised path that no other mount uses")
         seen.add(path)
 
 
@@ -346,8 +410,8 @@ def _check_env_keys(request: Request, values: dict[str, str], overrides: dict[st
 
 
 def _cluster_shape(request: Request, values: dict[str, str]) -> tuple[int, int, str]:
-    nnodes = _shape(request, values, "NNODES", request.nnodes, "--nnodes")
-    npus = _shape(request, values, "NPUS_PER_NODE", request.npus_per_node, "--npus-per-node")
+    nnodes = _shape(request, values, "NNODES", request.nnodes, "--nnodes", inputs.MAX_DEVICES)
+    npus = _shape(request, values, "NPUS_PER_NODE", request.npus_per_node, "--npus-per-node", inputs.MAX_DEVICES)
     if npus > NPUS_PER_NODE_MAX[request.chip]:
         raise RenderError(
             f"NPUS_PER_NODE={npus} ({request.env_file} or --npus-per-node): an {request.chip.upper()} node has "
@@ -368,28 +432,58 @@ def _check_pod_options(request: Request) -> None:
             f"--npu-resource {request.npu_resource!r}: expected a device plugin resource such as "
             f"{DEFAULT_NPU_RESOURCE} or huawei.com/Ascend910"
         )
-    cpu = quantity(request.cpu, "--cpu")
-    memory = quantity(request.memory, "--memory")
-    shm = quantity(request.shm_size, "--shm-size")
-    if cpu <= 0 or memory <= 0:
-        raise RenderError(f"--cpu {request.cpu} / --memory {request.memory}: must be positive")
-    if shm < SHM_MIN_GIB * 2**30:
-        raise RenderError(f"--shm-size {request.shm_size}: under {SHM_MIN_GIB} GiB, on which `verl-npu doctor` fails")
-    if shm > memory:
-        raise RenderError(
-            f"--shm-size {request.shm_size} exceeds --memory {request.memory}: a memory-backed /dev/shm is charged "
-            "to the container's memory limit"
-        )
-
-
-def _check_job_options(request: Request) -> None:
-    for value, option in ((request.deadline_s, "--deadline"), (request.ttl_s, "--ttl")):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise RenderError(f"{option} {value!r}: give a positive number of seconds")
     if request.namespace is not None and not validate.DNS1123_LABEL.match(request.namespace):
         raise RenderError(f"--namespace {request.namespace!r}: not a valid namespace name")
     if request.kind == "volcano" and not validate.DNS1123_SUBDOMAIN.match(request.queue):
         raise RenderError(f"--queue {request.queue!r}: not a valid Volcano queue name")
+
+
+@dataclasses.dataclass(frozen=True)
+class _Numbers:
+    """The numeric options, each parsed and range-checked (verl_npu.inputs)."""
+
+    memory_bytes: float
+    shm_bytes: float
+    ttl_s: int
+    deadline_s: int | None
+    step_time_s: float | None
+    startup_time_s: int
+
+
+def _numbers(request: Request) -> _Numbers:
+    """Every numeric option at once: one RenderError lists each bad one."""
+    errors: list[str] = []
+
+    def parse(parser, *args, **kwargs):
+        try:
+            return parser(*args, **kwargs)
+        except UserError as exc:
+            errors.append(str(exc))
+            return None
+
+    parse(inputs.quantity, "--cpu", request.cpu, minimum=CPU_MIN, maximum=CPU_MAX)
+    memory = parse(inputs.quantity, "--memory", request.memory, minimum=MEMORY_MIN, maximum=MEMORY_MAX)
+    shm = parse(inputs.quantity, "--shm-size", request.shm_size, minimum=SHM_MIN, maximum=MEMORY_MAX)
+    ttl = parse(inputs.integer, "--ttl", request.ttl_s, minimum=1, maximum=MAX_TTL_S)
+    deadline = step = startup = None
+    if request.deadline_s is not None:
+        deadline = parse(inputs.integer, "--deadline", request.deadline_s, minimum=1, maximum=MAX_DEADLINE_S)
+    if request.step_time_s is not None:
+        step = parse(inputs.number, "--step-time", request.step_time_s, above=0, maximum=MAX_STEP_TIME_S)
+    if request.startup_time_s is not None:
+        startup = parse(inputs.integer, "--startup-time", request.startup_time_s, minimum=0, maximum=MAX_DEADLINE_S)
+    if request.deadline_s is not None and request.step_time_s is not None:
+        errors.append("--deadline and --step-time both set the run's deadline: give one of them")
+    if request.startup_time_s is not None and request.step_time_s is None:
+        errors.append("--startup-time counts only with --step-time (the deadline is startup + steps x step time)")
+    if memory is not None and shm is not None and shm >= memory:
+        errors.append(
+            f"--shm-size {request.shm_size} leaves nothing of --memory {request.memory} for the node's processes: a "
+            "memory-backed /dev/shm is charged to the container's memory limit as it fills"
+        )
+    if errors:
+        raise RenderError("; ".join(errors))
+    return _Numbers(memory, shm, ttl, deadline, step, CLUSTER_WAIT_S if startup is None else startup)  # type: ignore[arg-type]
 
 
 def _with_additions(env_text: str, added: dict[str, str]) -> str:
@@ -401,11 +495,78 @@ def _with_additions(env_text: str, added: dict[str, str]) -> str:
     return env_text + "".join(f"{k}={shlex.quote(v)}\n" for k, v in added.items())
 
 
+@contextlib.contextmanager
+def launch_environment(cluster: Cluster) -> Iterator[dict[str, str]]:
+    """The environment the launch starts with in a node pod, on this machine: the pods' variables, with ENV_FILE and
+    VERL_NPU_ENV_FILE pointing at a copy of the ConfigMap's env file (the launch sources it, as in the pods)."""
+    with tempfile.TemporaryDirectory(prefix="verl-npu-render-") as directory:
+        env_path = Path(directory) / cluster.env_file_name
+        env_path.write_text(cluster.env_text, encoding="utf-8")
+        yield {
+            **cluster.env,
+            "ENV_FILE": str(env_path),
+            "VERL_NPU_ENV_FILE": str(env_path),
+            "VERL_NPU_EXPECT_NPUS": str(cluster.npus_per_node),
+        }
+
+
+STEPS_KEY = "trainer.total_training_steps"
+
+
+def _shown(cluster: Cluster) -> Path:
+    """The trainer launch as messages name it: relative to the repository."""
+    return cluster.trainer_launch.relative_to(cluster.request.repo.resolve())
+
+
+def training_steps(cluster: Cluster) -> int:
+    """The trainer launch's trainer.total_training_steps (the last override wins, as in Hydra); RenderError when the
+    launch runs no trainer or leaves the count to verl (total_epochs over the data: known only at run time)."""
+    from verl_npu.preflight.launch import read_launch_script
+
+    script = _shown(cluster)
+    with launch_environment(cluster) as env:
+        launch = read_launch_script(cluster.trainer_launch, cluster.trainer_args, env)
+    if launch.module is None:
+        raise RenderError(
+            f"--step-time: no command in {script} runs the verl trainer, so its steps are unknown: name the script "
+            "that does with --trainer-launch, or give --deadline"
+        )
+    value: str | None = None
+    for override in launch.overrides:
+        key, sep, text = override.partition("=")
+        if key.lstrip("+~") == STEPS_KEY:
+            value = None if key.startswith("~") or not sep or text.strip().lower() == "null" else text
+    if value is None:
+        raise RenderError(
+            f"--step-time: {script} sets no {STEPS_KEY} (verl then trains total_epochs over the data, a step count "
+            f"known only at run time): set it in the launch or after --, or give --deadline"
+        )
+    return inputs.integer(STEPS_KEY, value, minimum=1, maximum=inputs.MAX_BATCH, source=str(script))
+
+
+def _deadline(cluster: Cluster, numbers: _Numbers) -> tuple[int | None, str]:
+    """(activeDeadlineSeconds or None, how it was set)."""
+    if numbers.deadline_s is not None:
+        return numbers.deadline_s, f"{numbers.deadline_s} s (--deadline)"
+    if numbers.step_time_s is None:
+        return None, "none: Kubernetes does not stop the run (--deadline or --step-time set one)"
+    steps = training_steps(cluster)
+    deadline = numbers.startup_time_s + math.ceil(steps * numbers.step_time_s)
+    how = (
+        f"{deadline} s = {numbers.startup_time_s} s to start + {steps} steps ({STEPS_KEY} of "
+        f"{cluster.trainer_launch.name}) x {numbers.step_time_s:g} s (--step-time)"
+    )
+    if deadline > MAX_DEADLINE_S:
+        raise RenderError(f"--step-time: a deadline of {how} exceeds {MAX_DEADLINE_S} s (366 days)")
+    return deadline, how
+
+
 def resolve(request: Request) -> Cluster:
-    """Read and check every input of ``request``; RenderError names the first bad one."""
+    """Read and check every input of ``request``; RenderError names the bad one (all numeric options at once)."""
     if request.kind not in KINDS:
         raise RenderError(f"kind {request.kind!r}: choose one of {', '.join(KINDS)}")
     _check_name(request)
+    numbers = _numbers(request)
     ray_version = _ray_pin(request)
     image = _image(request)
     values, env_text = _read_env_file(request)
@@ -415,10 +576,13 @@ def resolve(request: Request) -> Cluster:
     _check_volumes(request)
     _check_shared_paths(request, {**values, **overrides})
     _check_pod_options(request)
-    _check_job_options(request)
 
     launch = _in_repo(request.launch, request.repo, "--launch")
     ray_start = _in_repo(request.ray_start, request.repo, "--ray-start")
+    if request.trainer_launch is None:
+        trainer, trainer_args = _repo_file(request.launch, request.repo, "--launch"), request.launch_args
+    else:  # the launch's own arguments are for --launch, not for the script it runs
+        trainer, trainer_args = _repo_file(request.trainer_launch, request.repo, "--trainer-launch"), ()
     name = request.env_file.name
     if not validate.CONFIGMAP_KEY.match(name) or name in ("head.sh", "worker.sh", "entrypoint.sh"):
         raise RenderError(
@@ -427,11 +591,76 @@ def resolve(request: Request) -> Cluster:
 
     shape = {"NNODES": str(nnodes), "NPUS_PER_NODE": str(npus), "RAY_PORT": port_text}
     added = {**{k: v for k, v in shape.items() if k not in values}, **overrides}
-    return Cluster(
+    cluster = Cluster(
         request=request, image=image, ray_version=ray_version, nnodes=nnodes, npus_per_node=npus,
         ray_port=int(port_text), env={**values, **added}, env_file_name=name, env_text=_with_additions(env_text, added),
-        launch=launch, ray_start=ray_start,
+        launch=launch, ray_start=ray_start, trainer_launch=trainer, trainer_args=tuple(trainer_args),
+        memory_bytes=numbers.memory_bytes, shm_bytes=numbers.shm_bytes, ttl_s=numbers.ttl_s,
+        deadline_s=None, deadline_note="",
     )  # fmt: skip
+    deadline, note = _deadline(cluster, numbers)
+    return dataclasses.replace(cluster, deadline_s=deadline, deadline_note=note)
+
+
+# --- preflight ----------------------------------------------------------------------------------------
+
+
+def preflight(cluster: Cluster) -> str:
+    """Preflight of the trainer launch as the pods run it; what it found, for the Job's annotation.
+
+    LaunchRefused lists every problem: each failed check of a NO-GO, and a busiest node whose host RAM (preflight's
+    estimate: offloaded actor state and the rollout's sleep-mode weight copies) plus the memory-backed /dev/shm
+    exceeds the pod's memory request and limit.
+    """
+    from verl_npu.preflight import run_preflight
+
+    request = cluster.request
+    if not request.preflight:
+        return "not run (--no-preflight): the launch and its host RAM were not checked against --memory"
+    with launch_environment(cluster) as env:
+        report = run_preflight(
+            cluster.trainer_launch, cluster.trainer_args, env=env, chip=request.chip, model_config=request.model_config
+        )
+    where = f"preflight of {_shown(cluster)}"
+    fixes = {"launch.no-trainer": "name the script --launch runs the trainer through with --trainer-launch"}
+    problems = [
+        f"{where}: {c.check}: {c.detail}" + (f" (fix: {c.fix or fixes[c.check]})" if c.fix or c.check in fixes else "")
+        for c in report.checks
+        if c.status == "fail"
+    ]
+    memory = report.memory
+    if memory is None and problems:
+        problems.append(f"{where} makes no host RAM estimate until the failures above are fixed: --memory unchecked")
+        raise LaunchRefused(problems)
+    if memory is None:
+        why = next((c.detail for c in report.checks if c.check.startswith(("memory.", "config.not-computed"))), "")
+        problems.append(
+            f"{where} computed no host RAM estimate{': ' + why if why else ''}; the pods' --memory {request.memory} "
+            "cannot be checked against it: fix the launch, name the script that runs the trainer (--trainer-launch), "
+            "or render without the check (--no-preflight)"
+        )
+        raise LaunchRefused(problems)
+    node_bytes = memory.node_host_bytes
+    needed = node_bytes + cluster.shm_bytes
+    parts = (
+        f"{_gib(memory.host_bytes_per_node)} of offloaded actor state + {_gib(memory.rollout_host_bytes_per_node)} "
+        "of the rollout's sleep-mode weight copies"
+    )
+    summary = (
+        f"node {memory.worst_node}, the busiest, needs {_gib(node_bytes)} of host RAM ({parts}) + --shm-size "
+        f"{request.shm_size} of /dev/shm = {_gib(needed)}"
+    )
+    if needed > cluster.memory_bytes:
+        problems.append(
+            f"--memory {request.memory}: {summary}, more than the {_gib(cluster.memory_bytes)} each node pod requests "
+            f"and may use. Render with --memory {math.ceil(needed / GiB)}Gi or more where the nodes' allocatable "
+            "memory holds it (kubectl get nodes -o "
+            "custom-columns=NAME:.metadata.name,MEMORY:.status.allocatable.memory), a smaller --shm-size, or a launch "
+            "that keeps less on the host (ci/k8s/README.md)"
+        )
+    if problems:
+        raise LaunchRefused(problems)
+    return f"go: {summary}, within --memory {request.memory}"
 
 
 # --- node scripts -------------------------------------------------------------------------------------
@@ -556,13 +785,16 @@ def _node_pod(cluster: Cluster, role: str, script: str) -> dict[str, Any]:
         {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": request.shm_size}},
         {"name": "config", "configMap": {"name": cluster.config_map}},
         *shared,
-        *({"name": f"host-{i}", "hostPath": {"path": p}} for i, p in enumerate(request.host_paths)),
+        *(
+            {"name": f"host-{i}", "hostPath": {"path": p, "type": kind}}
+            for i, (p, kind) in enumerate(request.host_paths)
+        ),
     ]
     mounts = [
         {"name": "dshm", "mountPath": "/dev/shm"},
         {"name": "config", "mountPath": str(CONFIG_DIR), "readOnly": True},
         *shared_mounts,
-        *({"name": f"host-{i}", "mountPath": p, "readOnly": True} for i, p in enumerate(request.host_paths)),
+        *({"name": f"host-{i}", "mountPath": p, "readOnly": True} for i, (p, _) in enumerate(request.host_paths)),
     ]
     env = [
         {"name": "ENV_FILE", "value": str(cluster.env_path)},  # ray_start.sh and the example launch read it
@@ -577,7 +809,7 @@ def _node_pod(cluster: Cluster, role: str, script: str) -> dict[str, Any]:
         "imagePullPolicy": "IfNotPresent",  # the tag names one build (manifest + commit)
         "command": [str(IMAGE_ENTRYPOINT), "bash", str(CONFIG_DIR / script)],
         "env": env,
-        "resources": {"limits": dict(npu), "requests": dict(npu)},
+        "resources": {"limits": dict(npu), "requests": dict(npu)},  # equal: the pod is Guaranteed, evicted last
         "volumeMounts": mounts,
     }
     if role == "head":
@@ -593,7 +825,8 @@ def _node_pod(cluster: Cluster, role: str, script: str) -> dict[str, Any]:
         metadata["annotations"] = {"ray.io/overwrite-container-cmd": "true"}
     else:
         spec["restartPolicy"] = "Never"
-        spec["activeDeadlineSeconds"] = request.deadline_s
+        if cluster.deadline_s is not None:
+            spec["activeDeadlineSeconds"] = cluster.deadline_s
     return {"metadata": metadata, "spec": spec}
 
 
@@ -609,7 +842,6 @@ def config_map(cluster: Cluster) -> dict[str, Any]:
 
 
 def rayjob(cluster: Cluster) -> dict[str, Any]:
-    request = cluster.request
     cluster_spec: dict[str, Any] = {
         "rayVersion": cluster.ray_version,
         "enableInTreeAutoscaling": False,
@@ -644,21 +876,20 @@ def rayjob(cluster: Cluster) -> dict[str, Any]:
             ],
         },
     }
-    return {
-        "apiVersion": "ray.io/v1",
-        "kind": "RayJob",
-        "metadata": _metadata(cluster, cluster.name),
-        "spec": {
-            "entrypoint": f"bash {CONFIG_DIR / 'entrypoint.sh'}",
-            "submissionMode": "K8sJobMode",
-            "shutdownAfterJobFinishes": True,
-            "ttlSecondsAfterFinished": request.ttl_s,
-            "activeDeadlineSeconds": request.deadline_s,
-            "backoffLimit": 0,  # a failed multi-node run is investigated, not retried on 32 nodes
-            "submitterPodTemplate": submitter,
-            "rayClusterSpec": cluster_spec,
-        },
+    spec: dict[str, Any] = {
+        "entrypoint": f"bash {CONFIG_DIR / 'entrypoint.sh'}",
+        "submissionMode": "K8sJobMode",
+        "shutdownAfterJobFinishes": True,
+        "ttlSecondsAfterFinished": cluster.ttl_s,
     }
+    if cluster.deadline_s is not None:
+        spec["activeDeadlineSeconds"] = cluster.deadline_s
+    spec.update(
+        backoffLimit=0,  # a failed multi-node run is investigated, not retried on 32 nodes
+        submitterPodTemplate=submitter,
+        rayClusterSpec=cluster_spec,
+    )
+    return {"apiVersion": "ray.io/v1", "kind": "RayJob", "metadata": _metadata(cluster, cluster.name), "spec": spec}
 
 
 def volcano_job(cluster: Cluster) -> dict[str, Any]:
@@ -684,7 +915,7 @@ def volcano_job(cluster: Cluster) -> dict[str, Any]:
             "queue": request.queue,
             "minAvailable": cluster.nnodes,  # gang scheduling: all nodes or none
             "maxRetry": 0,
-            "ttlSecondsAfterFinished": request.ttl_s,
+            "ttlSecondsAfterFinished": cluster.ttl_s,
             # hostnames <job>-<task>-<index>.<job> for the workers to find the head
             "plugins": {"svc": ["--publish-not-ready-addresses"]},
             "policies": [{"event": "PodFailed", "action": "AbortJob"}, {"event": "PodEvicted", "action": "AbortJob"}],
@@ -695,9 +926,8 @@ def volcano_job(cluster: Cluster) -> dict[str, Any]:
 
 def results_pod(cluster: Cluster) -> dict[str, Any]:
     """A small pod with the shared storage mounted, to copy results out (`kubectl cp`) whether or not
-    the Ray cluster still exists; it ends by itself an hour after the job's deadline."""
-    request = cluster.request
-    lifetime = request.deadline_s + 3600
+    the Ray cluster still exists; it ends by itself an hour after the job's deadline (a week without one)."""
+    lifetime = cluster.deadline_s + 3600 if cluster.deadline_s is not None else RESULTS_POD_LIFETIME_S
     volumes, mounts = _shared_volumes(cluster)  # writable: the run's scratch is removed through it
     return {
         "apiVersion": "v1",
@@ -726,9 +956,12 @@ def results_pod(cluster: Cluster) -> dict[str, Any]:
 
 def render(request: Request) -> list[dict[str, Any]]:
     """The objects of ``request``, checked by the validator (verl_npu.k8s.validate); RenderError on a bad input
-    or when the schemas cannot be loaded."""
+    or when the schemas cannot be loaded, LaunchRefused when preflight refuses the launch or its memory request."""
     cluster = resolve(request)
-    docs = [config_map(cluster), rayjob(cluster) if request.kind == "rayjob" else volcano_job(cluster)]
+    checked = preflight(cluster)
+    job = rayjob(cluster) if request.kind == "rayjob" else volcano_job(cluster)
+    job["metadata"]["annotations"] = {PREFLIGHT_ANNOTATION: checked, DEADLINE_ANNOTATION: cluster.deadline_note}
+    docs = [config_map(cluster), job]
     if request.results_pod:
         docs.append(results_pod(cluster))
     try:

@@ -84,7 +84,9 @@ def install_plan(stack: Stack, target: str, *, dev_tools: bool = False) -> list[
     # After every third-party install (vllm's requirements bring upstream triton on x86_64): remove
     # the distributions that share a package's import directory and reinstall the package over them.
     steps += [Step("replace", p.name, {**_index_fields(p, target), "remove": ",".join(p.replaces)}) for p in replacing]
-    steps.append(Step("local", "verl-npu", {"extras": "dev" if dev_tools else ""}))
+    # The images run the npu test tier in themselves (nightly.yml): they get the test extra (pytest, hypothesis).
+    extras = "dev" if dev_tools else "test" if target in NPU_TARGETS else ""
+    steps.append(Step("local", "verl-npu", {"extras": extras}))
     if target in NPU_TARGETS:
         # the facts verl-npu relies on in MindSpeed, vllm-ascend and torch-npu, against what was just
         # installed: a drifted upstream fails the image build, not a job (docs/ascend_contracts.md)

@@ -6,7 +6,7 @@ from verl_npu.checks import FAIL, OK, WARN
 from verl_npu.checks import Check as Finding
 from verl_npu.doctor.probe import Probe
 from verl_npu.stack import NPU_TARGETS, Stack, detect
-from verl_npu.stack.detect import Platform
+from verl_npu.stack.detect import UNKNOWN, Platform, npus_phrase
 
 EXPECT_NPUS_ENV = "VERL_NPU_EXPECT_NPUS"
 MOUNT_NPUS = (
@@ -16,6 +16,7 @@ MOUNT_NPUS = (
     "docker `options:` are ignored there); with docker, --device and -v"
 )
 
+DETECTION_DOC = detect.RULE_DOC
 NPU_SMI_BROKEN = (
     "run `npu-smi info` on the node (as root, then in the container): a dcmi error or a hang means the NPU driver "
     "is not loaded or not mounted (check dmesg, /dev/davinci*, /usr/local/Ascend/driver and /usr/local/dcmi); "
@@ -65,33 +66,60 @@ def check_expected_npus(probe: Probe, plat: Platform) -> list[Finding]:
                 f"this job expects {expected} NPUs ({EXPECT_NPUS_ENV}), but {plat.problem}", NPU_SMI_BROKEN,
             )
         ]  # fmt: skip
+    listed = npus_phrase(plat.devices, plat.cards or plat.devices) if plat.devices else "no NPU"
     if plat.devices is None or plat.devices < expected:
         return [
             Finding(
                 "platform.expected-npus", FAIL,
-                f"this job expects {expected} NPUs ({EXPECT_NPUS_ENV}), npu-smi lists {plat.devices or 'none'}",
+                f"this job expects {expected} NPUs ({EXPECT_NPUS_ENV}), npu-smi lists {listed}",
                 "request all of the node's NPUs for the job (huawei.com/ascend-* limit, runner label) and check "
                 "`npu-smi info` for NPUs in a bad state",
             )
         ]  # fmt: skip
-    return [Finding("platform.expected-npus", OK, f"{plat.devices} NPUs, {expected} expected")]
+    return [Finding("platform.expected-npus", OK, f"{listed}, {expected} expected")]
 
 
-def check_platform(probe: Probe, stack: Stack, plat: Platform, target: str, built: dict | None) -> list[Finding]:
+def check_platform(
+    probe: Probe, stack: Stack, plat: Platform, target: str, built: dict | None, requested: str | None = None
+) -> list[Finding]:
+    """The node's chip against the target checked; ``requested``: the target `verl-npu doctor --target` names."""
     if plat.problem is not None:  # npu-smi is there but failed, hung or printed no NPU table
         return [Finding("platform", FAIL, plat.problem, NPU_SMI_BROKEN)]
-    if plat.target == "unknown":
-        return [Finding("platform", FAIL, plat.detail, "report `npu-smi info` output; pass the target explicitly")]
-    findings = [Finding("platform", OK, f"{plat.detail}; expected stack: target {target}")]
-    if built is not None and built["target"] != plat.target:
-        status = WARN if plat.kind != "ascend" else FAIL
+    if requested is not None and plat.target in NPU_TARGETS and plat.target != requested:
+        return [
+            Finding(
+                "platform", FAIL, f"--target {requested}, but npu-smi shows an {plat.target} node: {plat.detail}",
+                f"leave --target out (doctor reads the node), or run on an {requested} node",
+            )
+        ]  # fmt: skip
+    if plat.target == UNKNOWN and requested is None:
+        return [
+            Finding(
+                "platform", FAIL, plat.detail,
+                "if this node is an Atlas A2 or A3 node, `verl-npu doctor --target a2` (or a3) checks it against that "
+                f"stack; report its `npu-smi info` output so the detection learns it ({DETECTION_DOC})",
+            )
+        ]  # fmt: skip
+    if plat.target == UNKNOWN:
+        return [
+            Finding(
+                "platform", WARN, f"{plat.detail}; checked as target {requested} because --target says so",
+                f"report this node's `npu-smi info` output so the detection learns it ({DETECTION_DOC})",
+            )
+        ]  # fmt: skip
+    source = " (--target)" if requested is not None else ""
+    findings = [Finding("platform", OK, f"{plat.detail}; expected stack: target {target}{source}")]
+    node = plat.target if plat.target in NPU_TARGETS else requested or plat.target
+    if built is not None and built["target"] != node:
+        status = WARN if plat.kind != "ascend" and requested is None else FAIL
         findings.append(
             Finding(
                 "platform.image",
                 status,
-                f"this environment was built for target {built['target']} but the node is {plat.target}",
-                f"use the verl-npu image built for {plat.target} (docker/Dockerfile.{plat.target})"
-                if plat.target in NPU_TARGETS
+                f"this environment was built for target {built['target']} but "
+                + (f"the node is {node}" if requested is None else f"--target says {node}"),
+                f"use the verl-npu image built for {node} (docker/Dockerfile.{node})"
+                if node in NPU_TARGETS
                 else "expected when inspecting an Ascend image on a non-Ascend machine",
             )
         )

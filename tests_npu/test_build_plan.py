@@ -394,3 +394,52 @@ def test_the_glm5_bridge_groups_experts_off_ascend_only():
 
     assert glm5_config_fields(GLM5, "ascend")["moe_grouped_gemm"] is False
     assert glm5_config_fields(GLM5, "cuda")["moe_grouped_gemm"] is True
+
+
+# --- MoE routing replay (R2/R3) ------------------------------------------------------------------------------
+
+
+def replay(mode: str, **overrides) -> McoreEngineConfig:
+    from verl.workers.config.engine import EngineRouterReplayConfig
+
+    return engine(router_replay=EngineRouterReplayConfig(mode=mode), **overrides)
+
+
+@pytest.mark.parametrize("mode", ["R2", "R3"])
+def test_replay_on_the_padded_layout_is_laid_out_by_the_engine(mode):
+    plan = build_plan(replay(mode), optim(), GLM5, "ascend")
+    assert "router_replay_padded" in plan.features
+    assert any(f"router replay {mode} on the padded layout" in note for note in plan.notes)
+    assert "router_replay_padded" not in build_plan(engine(), optim(), GLM5, "ascend").features
+
+
+def test_replay_that_cannot_keep_the_recorded_experts_is_refused_with_every_reason_at_once():
+    otc = {"moe_expert_capacity_factor": 1.0, "moe_tp_extend_ep": True}
+    with pytest.raises(BuildPlanError) as refused:
+        build_plan(replay("R3", override_transformer_config=otc), optim(), GLM5, "ascend")
+    text = str(refused.value)
+    assert "router_replay.mode=R3 with override_transformer_config.moe_expert_capacity_factor=1.0" in text
+    assert "override_transformer_config.moe_tp_extend_ep=True: " in text and "TopKRouter.routing" in text
+    assert "dropless" in text
+    # off Ascend MindSpeed's tp-extend-ep does not exist; the capacity rule holds everywhere
+    with pytest.raises(BuildPlanError) as refused:
+        build_plan(replay("R2", override_transformer_config=otc), optim(), GLM5, "cuda")
+    assert "moe_tp_extend_ep" not in str(refused.value) and "capacity_factor" in str(refused.value)
+    # without replay a capacity factor is the MoE's own business
+    build_plan(engine(override_transformer_config={"moe_expert_capacity_factor": 1.0}), optim(), GLM5, "ascend")
+
+
+@pytest.mark.parametrize("key", ["moe_permute_fusion", "use_fused_moe_token_permute_and_unpermute"])
+def test_mindspeed_moe_features_that_cannot_build_over_megatron_0_18_are_refused_on_ascend(key):
+    with pytest.raises(BuildPlanError, match=rf"{key}=True with the all-to-all dispatcher: .*pg_collection"):
+        build_plan(engine(override_transformer_config={key: True}), optim(), GLM5, "ascend")
+    with pytest.raises(BuildPlanError, match=r"moe_tp_extend_ep=True: .*ModuleNotFoundError"):
+        build_plan(engine(override_transformer_config={"moe_tp_extend_ep": True}), optim(), GLM5, "ascend")
+    allgather = {key: True, "moe_token_dispatcher_type": "allgather"}
+    build_plan(engine(override_transformer_config=allgather), optim(), GLM5, "ascend")
+    build_plan(engine(override_transformer_config={key: True}), optim(), GLM5, "cuda")
+
+
+def test_an_unknown_replay_mode_is_left_to_verls_own_config_check():
+    plan = build_plan(engine(router_replay={"mode": "R4"}), optim(), GLM5, "cpu")
+    assert "router_replay_padded" not in plan.features

@@ -11,7 +11,6 @@ import inspect
 import json
 import re
 import shutil
-import tarfile
 import zipfile
 from pathlib import Path
 
@@ -261,18 +260,14 @@ def test_the_torch_npu_wheel_on_pypi_holds_every_recorded_fact(tmp_path):
 @pytest.mark.network
 def test_the_vllm_ascend_sdist_on_pypi_holds_every_recorded_fact(tmp_path):
     """PyPI's vllm-ascend 0.23.0 sdist is built from tag v0.23.0, the pinned commit."""
-    from support.pypi import RELEASE_OF_COMMIT, sdist
+    from support.pypi import RELEASE_OF_COMMIT, extract, sdist
 
     from verl_npu.stack import load_stack
 
     archive = sdist("vllm-ascend", RELEASE_OF_COMMIT[load_stack().git["vllm-ascend"].commit])
     root = tmp_path / "vllm-ascend"
-    wanted = {c.path for c in contracts.ALL if c.component == "vllm-ascend"}
-    with tarfile.open(archive) as tar:
-        top = tar.getnames()[0].split("/")[0]
-        for member in wanted:
-            tar.extract(f"{top}/{member}", tmp_path, filter="data")
-    shutil.move(tmp_path / top, root)
+    for path in sorted({c.path for c in contracts.ALL if c.component == "vllm-ascend"}):
+        extract(archive, path, root)  # a file, or a directory a grep contract reads whole
     results = verify(contracts.ALL, {"vllm-ascend": root}, components=["vllm-ascend"])
     assert results and all(r.ok for r in results), [(r.contract.id, r.detail) for r in results if not r.ok]
 
@@ -620,3 +615,214 @@ def test_contracts_verify_reports_the_composed_check_whatever_its_process_did(mo
     monkeypatch.setattr(processes, "run", returning(1, "", crash))
     (row,) = composed_checks()
     assert row["status"] == "failed" and "exited 1" in row["detail"] and "ImportError: no torch_npu" in row["detail"]
+
+
+# --- R3: the routes the rollout returns (verl_npu/preflight/router_replay.py) ----------------------------------------
+
+
+def test_router_replays_contracts_are_recorded_and_name_it():
+    """Every contract preflight's R3 checks list is recorded, says that preflight relies on it, and the config keys
+    preflight reads for the capturer are the ones the recorded vLLM source reads, in its order."""
+    from verl_npu.preflight import router_replay
+
+    assert len(set(router_replay.CONTRACTS)) == len(router_replay.CONTRACTS)
+    for contract_id in router_replay.CONTRACTS:
+        assert "verl_npu/preflight/router_replay.py" in contracts.by_id(contract_id).used_by, contract_id
+    recorded = " ".join(e.text for e in contracts.by_id("vllm-routes-capturer-config-keys").expects)
+    assert re.findall(r'getattr\(hf_config, "(\w+)"', recorded) == list(router_replay.EXPERTS_PER_TOKEN_KEYS)
+    (keys,) = re.findall(r"for key in (\(.*?\)):", recorded)
+    assert ast.literal_eval(keys) == router_replay.EXPERT_COUNT_KEYS
+
+
+# verl 0.9.1's side of R3, read from the installed verl (verl is not a contract component: every environment that
+# runs verl-npu installs the pinned wheel, so the CPU tier checks it here): in <file> <function>, the statements that
+# run under <condition>.
+VERL_R3_FACTS = (
+    (
+        "workers/rollout/vllm_rollout/vllm_async_server.py",
+        "vLLMHttpServer.launch_server",
+        "self.config.enable_rollout_routing_replay",
+        "args.update({'enable_return_routed_experts': True})",
+        "verl starts vLLM with enable_return_routed_experts when the rollout is asked for routes",
+    ),
+    (
+        "workers/rollout/vllm_rollout/vllm_async_server.py",
+        "vLLMHttpServer.launch_server",
+        "self._disaggregation_role != 'null'",
+        "args['kv_transfer_config'] = json.dumps(self._disaggregation_kv_transfer_config)",
+        "disaggregation hands vLLM a KV connector (which vLLM refuses with the routes)",
+    ),
+    (
+        "workers/rollout/vllm_rollout/vllm_async_server.py",
+        "vLLMHttpServer.generate",
+        "self.config.enable_rollout_routing_replay",
+        "routed_experts = final_res.outputs[0].routed_experts",
+        "verl reads the finished request's routes back",
+    ),
+    (
+        "experimental/agent_loop/agent_loop.py",
+        "AgentLoopOutput.as_dict",
+        "routed_experts is not None",
+        "routed_experts = torch.tensor(routed_experts, dtype=torch.int16)",
+        "verl keeps them as int16 (preflight's host RAM estimate)",
+    ),
+    (
+        "experimental/agent_loop/agent_loop.py",
+        "AgentLoopOutput.as_dict",
+        "routed_experts is not None",
+        "total_length = output['prompts'].size(0) + output['responses'].size(0)",
+        "one row per prompt and response token",
+    ),
+)
+
+
+def _verl_fact_breaks(source: str, symbol: str, condition: str, statement: str) -> str | None:
+    """Why ``source`` no longer runs ``statement`` under ``if condition:`` in ``symbol`` (None: it does)."""
+    from verl_npu.contracts.spec import SymbolNotFound, _python_symbol
+
+    try:
+        function, _ = _python_symbol(source, symbol)
+    except SymbolNotFound:
+        return f"{symbol} is gone"
+    branches = [
+        node
+        for node in ast.walk(ast.parse(function))
+        if isinstance(node, ast.If) and ast.unparse(node.test) == condition
+    ]
+    if not branches:
+        return f"{symbol} no longer tests {condition}"
+    if not any(statement in ast.unparse(node) for node in branches):
+        return f"{symbol} no longer runs {statement!r} when {condition}"
+    return None
+
+
+def _verl_source(relative: str) -> str:
+    import importlib.util
+
+    spec = importlib.util.find_spec("verl")
+    assert spec is not None and spec.submodule_search_locations
+    return (Path(next(iter(spec.submodule_search_locations))) / relative).read_text()
+
+
+@pytest.mark.parametrize("fact", VERL_R3_FACTS, ids=[f[-1] for f in VERL_R3_FACTS])
+def test_verl_asks_for_the_routes_reads_them_back_and_keeps_them(fact):
+    path, symbol, condition, statement, _ = fact
+    source = _verl_source(path)
+    assert _verl_fact_breaks(source, symbol, condition, statement) is None
+    # the same check on a verl that stopped doing it: named, not passed
+    drifted = source.replace(statement.replace("'", '"'), "pass")
+    assert drifted != source, "the statement is written with double quotes in verl's source"
+    assert _verl_fact_breaks(drifted, symbol, condition, statement) == (
+        f"{symbol} no longer runs {statement!r} when {condition}"
+    )
+
+
+# Each R3 contract, broken the way an upstream change would break it: (contract, file, text, replacement, the fact
+# the verification must name). The pinned sources hold every contract (the sdist tests above); these show each one
+# fails on the drift that would change a preflight verdict.
+R3_DRIFTS = (
+    ("vllm-ascend-runner-makes-the-routes-capturer-with-the-kv-cache", "vllm_ascend/worker/model_runner_v1.py",
+     "    def _bind_routed_experts_capturer(self, capturer=None) -> None:",
+     "    def init_routed_experts_capturer(self):\n        pass\n\n"
+     "    def _bind_routed_experts_capturer(self, capturer=None) -> None:",
+     "vLLM's method, not a replacement"),
+    ("vllm-ascend-runner-binds-the-routes-capturer-to-every-fused-moe", "vllm_ascend/worker/model_runner_v1.py",
+     "if isinstance(module, FusedMoE):", "if isinstance(module, AscendMoERunner):",
+     "every FusedMoE layer gets the capturer"),
+    ("vllm-ascend-unquantized-moe-captures-the-routes-it-dispatches", "vllm_ascend/ops/fused_moe/fused_moe.py",
+     "capturer.capture(layer_id=layer.layer_id, topk_ids=topk_ids)", "pass",
+     "captures the selected routes, before anything rewrites them"),
+    ("vllm-ascend-quantized-moe-methods-never-capture", "vllm_ascend/quantization/methods/w8a8_dynamic.py",
+     "            topk_weights, topk_ids = select_experts(",
+     "            layer._ascend_routed_experts_capturer.capture(layer_id=layer.layer_id, topk_ids=topk_ids)\n"
+     "            topk_weights, topk_ids = select_experts(",
+     "no quantized method captures the routes"),
+    ("vllm-ascend-ep-moe-communication", "vllm_ascend/ascend_forward_context.py",
+     "moe_comm_type = MoECommType.ALLGATHER\n    elif", "moe_comm_type = MoECommType.ALLTOALL\n    elif",
+     "no EP: all-gather"),
+    ("vllm-ascend-all2all-moe-routes-a-tp-slice", "vllm_ascend/ops/fused_moe/prepare_finalize.py",
+     "router_logits = split_router_logits[self.tp_rank]", "router_logits = router_logits",
+     "a rank routes its slice"),
+    ("vllm-ascend-mc2-moe-routes-a-tp-slice", "vllm_ascend/ops/fused_moe/prepare_finalize.py",
+     "target_pad_length = _EXTRA_CTX.padded_num_tokens", "target_pad_length = self.num_tokens", "padded first"),
+    ("vllm-ascend-routes-capture-gathers-tp-slices", "vllm_ascend/patch/worker/patch_routed_experts_capture.py",
+     "                or n == token_num_per_dp // self.tp_size\n", "",
+     "the shorter all-to-all slice (vLLM's capture raises)"),
+    ("vllm-ascend-routed-experts-capture-patch", "vllm_ascend/patch/worker/patch_routed_experts_capture.py",
+     "RoutedExpertsCapturer.capture = capture", "", "replaced at import"),
+    ("vllm-ascend-routes-capture-patch-only-for-vllm-main", "vllm_ascend/patch/worker/__init__.py",
+     "if _V2_MODEL_RUNNER_SUPPORTED:\n    import vllm_ascend.patch.worker.patch_routed_experts_capture",
+     "import vllm_ascend.patch.worker.patch_routed_experts_capture", "never imported unconditionally"),
+    ("vllm-routes-capturer-config-keys", "vllm/model_executor/layers/fused_moe/routed_experts_capturer.py",
+     'val = getattr(hf_config, "top_k_experts", None)', 'val = getattr(hf_config, "moe_topk", None)',
+     "top-k, second name"),
+    ("vllm-routes-capturer-buffer", "vllm/model_executor/layers/fused_moe/routed_experts_capturer.py",
+     "                hf_config.num_hidden_layers,\n", "                num_moe_layers,\n",
+     "tokens x every decoder layer x top-k"),
+    ("vllm-routes-capture-by-absolute-layer", "vllm/model_executor/layers/fused_moe/routed_experts_capturer.py",
+     "                and n == (token_num_per_dp + self.tp_size - 1) // self.tp_size\n",
+     "                and n == (token_num_per_dp + self.tp_size - 1) // self.tp_size\n"
+     "                or n == token_num_per_dp // self.tp_size\n",
+     "the shorter all-to-all slice is not accepted at our pin (vllm-ascend's capture accepts it)"),
+    ("vllm-fused-moe-layer-id-is-its-decoder-layer", "vllm/model_executor/layers/fused_moe/layer.py",
+     "return extract_layer_index(self.layer_name)", "return self.moe_layer_index", "from the module's name"),
+    ("vllm-runner-binds-the-routes-capturer-it-makes", "vllm/v1/worker/gpu_model_runner.py",
+     "        self._bind_routed_experts_capturer(self.routed_experts_capturer)\n", "",
+     "bound by an overridable method"),
+    ("vllm-routes-per-request-prompt-then-forwarded-tokens", "vllm/v1/core/sched/scheduler.py",
+     "request.num_prompt_tokens,\n                        token_start=prompt_start,",
+     "request.num_tokens,\n                        token_start=prompt_start,",
+     "the prompt's routes when its prefill completes"),
+    ("vllm-routes-joined-when-the-request-finishes", "vllm/v1/engine/output_processor.py",
+     "if finished and self.routed_experts_chunks:", "if self.routed_experts_chunks:",
+     "joined along the tokens at the end"),
+    ("vllm-routes-refused-with-pipeline-parallelism-or-a-kv-connector", "vllm/config/vllm.py",
+     '"pipeline parallelism (PP > 1)."', '"pipeline parallelism (PP > 1) unless the routes are gathered."',
+     "refused with PP > 1"),
+    ("vllm-dp-metadata-only-with-data-parallelism", "vllm/forward_context.py",
+     "vllm_config.parallel_config.data_parallel_size > 1\n", "vllm_config.parallel_config.data_parallel_size >= 1\n",
+     "DP metadata only with DP > 1"),
+)  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def r3_pinned_sources(tmp_path_factory) -> dict[str, Path]:
+    """The files of the R3 contracts from the pinned vLLM and vllm-ascend sdists."""
+    from support.pypi import RELEASE_OF_COMMIT, extract, sdist
+
+    from verl_npu.preflight.router_replay import CONTRACTS
+    from verl_npu.stack import load_stack
+
+    stack = load_stack()
+    archives = {
+        "vllm": sdist("vllm", stack.git["vllm"].version),
+        "vllm-ascend": sdist("vllm-ascend", RELEASE_OF_COMMIT[stack.git["vllm-ascend"].commit]),
+    }
+    roots = {component: tmp_path_factory.mktemp(component) for component in archives}
+    for contract in map(contracts.by_id, CONTRACTS):
+        extract(archives[contract.component], contract.path, roots[contract.component])
+    return roots
+
+
+def test_every_r3_contract_has_a_drift_case():
+    from verl_npu.preflight.router_replay import CONTRACTS
+
+    assert sorted(case[0] for case in R3_DRIFTS) == sorted(CONTRACTS)
+
+
+@pytest.mark.network
+@pytest.mark.parametrize("case", R3_DRIFTS, ids=[case[0] for case in R3_DRIFTS])
+def test_each_r3_contract_fails_when_upstream_drifts(case, r3_pinned_sources, tmp_path):
+    contract_id, path, text, replacement, fact = case
+    contract = contracts.by_id(contract_id)
+    pinned = r3_pinned_sources[contract.component]
+    (held,) = verify([contract], {contract.component: pinned})
+    assert held.status == OK, held.detail
+    drifted = tmp_path / contract.component
+    shutil.copytree(pinned, drifted)
+    source = (drifted / path).read_text()
+    assert source.count(text) >= 1, f"{path} no longer has {text!r}: update the drift case"
+    (drifted / path).write_text(source.replace(text, replacement, 1))
+    (result,) = verify([contract], {contract.component: drifted})
+    assert result.status == DRIFTED
+    assert f"{fact}: " in result.detail, result.detail

@@ -240,44 +240,12 @@ def test_megatrons_hadamard_rotation_moves_the_bf16_top_k():
 
 def _run_ranks(workdir, world: int, *flags: str, timeout: float = 600) -> dict[int, dict]:
     """Run tests_npu/support/index_share_parallel.py on ``world`` ranks; their results, or their errors."""
-    import socket
-    import subprocess
-    import sys
-    import time
     from pathlib import Path
 
+    from support.gloo_ranks import run_ranks
+
     script = Path(__file__).parent / "support" / "index_share_parallel.py"
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    procs = [
-        subprocess.Popen(
-            [sys.executable, str(script), str(rank), str(world), str(port), str(workdir), *flags],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-        )
-        for rank in range(world)
-    ]
-    deadline = time.monotonic() + timeout
-    while any(p.poll() is None for p in procs) and time.monotonic() < deadline:
-        if any((workdir / f"rank{r}-of-{world}.error").exists() for r in range(world)):
-            break  # one rank failed: the others would wait for it forever
-        time.sleep(0.5)
-    for p in procs:
-        if p.poll() is None:
-            p.kill()
-        p.wait()
-    results = {}
-    for rank, proc in enumerate(procs):
-        error, result = workdir / f"rank{rank}-of-{world}.error", workdir / f"rank{rank}-of-{world}.pt"
-        if error.exists():
-            results[rank] = {"error": error.read_text()}
-        elif result.exists():
-            results[rank] = torch.load(result)
-        else:
-            results[rank] = {"error": f"rank {rank} left no result:\n{proc.stdout.read()[-3000:]}"}
-    return results
+    return run_ranks(script, workdir, world, *flags, timeout=timeout)
 
 
 @pytest.fixture(scope="module")

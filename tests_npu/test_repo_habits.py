@@ -116,6 +116,7 @@ def test_nothing_outside_verl_npu_testing_imports_it():
 # Scripts a test starts in a child process, which import their test module and tests_npu/support.
 SUBPROCESS_SCRIPTS = {
     "tests_npu/support/index_share_parallel.py",
+    "tests_npu/support/router_replay_parallel.py",
     "tests_npu/test_ops_dsa_attention_mqa_triton.py",
     # the ascend_sim scenarios' own process: `support` for the runner, the pinned MindSpeed source for the harness
     "tests_npu/support/ascend_sim_run.py",

@@ -40,6 +40,8 @@ ROLLOUT=actor_rollout_ref.rollout
 # DSA on Ascend: MindSpeed's four switches go together (use_dsa_absorb: absorbed MLA, the only form the
 # fused indexer / sparse attention / KL-loss operators take). No use_fused_rmsnorm / use_fused_swiglu:
 # MindSpeed core_r0.18.0 builds TE-NPU's RMSNorm and fused SwiGLU whatever they say (preflight warns).
+# DSA takes padded input only: each micro-batch is padded to its own longest sequence, not the mini-batch's
+# (verl's default), which would give a 4k sequence the 32k step (bench/results/padded_layout_h200.json).
 
 "$PYTHON" -m verl.trainer.main_ppo --config-name=ppo_megatron_trainer \
     algorithm.adv_estimator=grpo \
@@ -77,6 +79,7 @@ ROLLOUT=actor_rollout_ref.rollout
     $MEGATRON.param_offload=True \
     $MEGATRON.optimizer_offload=True \
     $MEGATRON.use_remove_padding=False \
+    $MEGATRON.pad_bshd_to_minibatch_max=False \
     +$TRANSFORMER.num_layers_in_first_pipeline_stage=$FIRST_STAGE_LAYERS \
     +$TRANSFORMER.num_layers_in_last_pipeline_stage=$LAST_STAGE_LAYERS \
     $TRANSFORMER.recompute_granularity=full \
@@ -90,6 +93,7 @@ ROLLOUT=actor_rollout_ref.rollout
     +$TRANSFORMER.use_fused_lightning_indexer_kl_loss=True \
     actor_rollout_ref.ref.megatron.param_offload=True \
     actor_rollout_ref.ref.megatron.vanilla_mbridge=True \
+    actor_rollout_ref.ref.megatron.pad_bshd_to_minibatch_max=False \
     actor_rollout_ref.ref.log_prob_use_dynamic_bsz=True \
     actor_rollout_ref.rollout.name=vllm \
     actor_rollout_ref.rollout.n=8 \

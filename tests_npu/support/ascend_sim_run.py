@@ -15,7 +15,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # tests_npu/: `support` is importable
 
-from support import ascend_sim
+from support import ascend_sim, ascend_sim_router_replay
 
 
 def _post_init_chain() -> list[str]:
@@ -266,7 +266,12 @@ def portable_parity(inputs: dict) -> dict:
     return {"runs": runs}
 
 
-SCENARIOS = {"engine_build": engine_build, "fused_parity": fused_parity, "portable_parity": portable_parity}
+SCENARIOS = {
+    "engine_build": engine_build,
+    "fused_parity": fused_parity,
+    "portable_parity": portable_parity,
+    "router_replay": ascend_sim_router_replay.router_replay,
+}
 CP_PATCH = "mindspeed-dsa-cp-config"
 
 

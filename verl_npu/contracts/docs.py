@@ -70,6 +70,17 @@ What executing it found, each fixed in verl-npu and tested:
 - On the fused path MindSpeed assigns over three verl-npu patches (`dsa-call-context`,
   `dsa-sparse-attention`, `dsa-indexer-topk-eval`); its operators run there instead. The tests pin that set
   (`PatchEngine.displaced()`), so a new overlap shows.
+- A second engine's `repatch` (reference model, critic) re-assigns what MindSpeed manages over verl's router
+  replay wrappers (the alltoall dispatcher's `preprocess` under the fused MoE permutation,
+  `TransformerConfig.__init__` always) while verl's flags keep verl from patching again: replayed duplicate
+  experts stop setting `num_out_tokens`. Runtime patch `mindspeed-router-replay` puts verl's patches back
+  after each `repatch`, keeping the first engine's routers registered
+  (`tests_npu/test_ascend_sim_router_replay.py`, through megatron's router and dispatcher).
+
+Found there too, refused by the build plan on Ascend: with MindSpeed's fused MoE permutation on the alltoall
+dispatcher no megatron-core 0.18 MoE layer builds (contract
+`mindspeed-fused-permute-dispatcher-init-without-process-groups`), and any `repatch` with `moe_tp_extend_ep` raises
+(contract `mindspeed-tp-extend-ep-manages-routing`).
 
 vLLM's loader, executed (`tests_npu/test_vllm_load_weights.py`, also `network`): vLLM 0.23.0 and
 vllm-ascend 0.23.0 from their PyPI sdists (the images install vLLM from its source tree, so the sdist's

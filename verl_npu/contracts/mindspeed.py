@@ -426,4 +426,107 @@ CONTRACTS = (
             Expect("config.use_fused_swiglu", "no reader on the config", present=False),
         ),
     ),
+    Contract(
+        id="mindspeed-patch-manager-overwrites-foreign-patches",
+        component="mindspeed",
+        path="mindspeed/patch_utils.py",
+        locator="python",
+        symbol="Patch.apply_patch",
+        line=110,
+        sha256="b869a456dd18ac216489857d34de6d43e55a6b711114b76e2c156ad5a4c7335c",
+        relied_on="applying a managed patch assigns its function to the attribute whatever the attribute holds: a "
+        "wrapper someone else installed over MindSpeed's function since (verl's router replay patches) is dropped "
+        "by the next repatch",
+        used_by="verl_npu/runtime_patches/mindspeed_router_replay.py (puts verl's replay patches back after each "
+        "repatch)",
+        expects=(
+            Expect(
+                "if self.orig_func_name is not None: setattr(self.orig_module, self.orig_func_name, final_patch_func)",
+                "the assignment is guarded by nothing but the attribute's name",
+                ignore_whitespace=True,
+            ),
+        ),
+    ),
+    Contract(
+        id="mindspeed-patch-manager-removes-only-its-own",
+        component="mindspeed",
+        path="mindspeed/patch_utils.py",
+        locator="python",
+        symbol="Patch.remove_patch",
+        line=95,
+        sha256="e4df0acf1052a818c8956960a3d14bace6560d4c56dc9e7c5dc336b5b6a7adf6",
+        relied_on="removing a managed patch restores the original only where the attribute still holds MindSpeed's "
+        "function; a wrapper installed over it stays until the next application assigns over it",
+        used_by="verl_npu/runtime_patches/mindspeed_router_replay.py (why verl's wrappers are lost only once "
+        "MindSpeed applies again, the end of repatch)",
+        expects=(
+            Expect("id(getattr(value, self.orig_func_name)) == id(self.final_patch_func)", "only its own function"),
+        ),
+    ),
+    Contract(
+        id="mindspeed-fused-permute-manages-alltoall-preprocess",
+        component="mindspeed",
+        path="mindspeed/features_manager/fusions/fused_moe_permute.py",
+        locator="python",
+        symbol="FusedMoEPermuteFeature.register_patches",
+        line=68,
+        sha256="1da1f9b1ebea3c96af8296e6b0f47061cc95edfd9d2cde212630aea05f9f1636",
+        relied_on="with moe_permute_fusion (or its alias use_fused_moe_token_permute_and_unpermute) and the alltoall "
+        "dispatcher MindSpeed manages MoEAlltoAllTokenDispatcher.preprocess (a sync wrapper), where verl's router "
+        "replay wraps it; without mindspeed.lite's triton sort (absent at this commit) it also manages the "
+        "dispatcher's __init__ (see mindspeed-fused-permute-dispatcher-init-without-process-groups)",
+        used_by="verl_npu/runtime_patches/mindspeed_router_replay.py; tests_npu/test_ascend_sim_router_replay.py runs "
+        "it",
+        expects=(
+            Expect(
+                'getattr(args, self.feature_name, None) or getattr(args, "use_fused_moe_token_permute_and_unpermute"',
+                "either switch turns the fused permutation on",
+            ),
+            Expect('if getattr(args, "moe_token_dispatcher_type", None) == "alltoall":', "for the alltoall dispatcher"),
+            Expect(
+                "'megatron.core.transformer.moe.token_dispatcher.MoEAlltoAllTokenDispatcher.preprocess',",
+                "the dispatcher's preprocess is managed",
+            ),
+            Expect("except ImportError", "the __init__ wrapper is registered where the triton sort cannot import"),
+        ),
+    ),
+    Contract(
+        id="mindspeed-fused-permute-dispatcher-init-without-process-groups",
+        component="mindspeed",
+        path="mindspeed/core/fusions/fused_moe_permute.py",
+        locator="python",
+        symbol="moe_alltoall_token_dispatcher_init_wrapper",
+        line=109,
+        sha256="a976a05bdf84b6dbf1133d191b9922c44c357afa145387090a870fc4ed62cc55",
+        relied_on="MindSpeed's wrapper of the alltoall dispatcher's __init__ takes (num_local_experts, "
+        "local_expert_indices, config) only; megatron-core 0.18's MoELayer passes pg_collection, so with the fused "
+        "permutation on the alltoall dispatcher no MoE layer builds (TypeError)",
+        used_by="tests_npu/test_ascend_sim_router_replay.py (executes it; the build plan is to refuse the fused "
+        "permutation with the alltoall dispatcher on Ascend)",
+        expects=(
+            Expect("def wrapper(self, num_local_experts, local_expert_indices, config) -> None:", "no pg_collection"),
+            Expect("pg_collection", "nothing passes process groups on", present=False),
+        ),
+    ),
+    Contract(
+        id="mindspeed-tp-extend-ep-manages-routing",
+        component="mindspeed",
+        path="mindspeed/features_manager/moe/tp_extend_ep.py",
+        locator="python",
+        symbol="MoETpExtendEpFeature.register_patches",
+        line=30,
+        sha256="d369e07b420a1be268884ba22969965baf6da8e161ebfb9ce8bc952cd79db9b8",
+        relied_on="moe_tp_extend_ep with the alltoall_seq dispatcher replaces TopKRouter.routing (where verl's replay "
+        "routing sits); the feature first imports MindSpeed's moe_feature package, which imports megatron's legacy "
+        "alltoall_seq dispatcher that megatron-core 0.18 no longer has, so any repatch with moe_tp_extend_ep raises",
+        used_by="verl_npu/runtime_patches/mindspeed_router_replay.py (puts verl's routing back where MindSpeed "
+        "manages it); tests_npu/test_ascend_sim_router_replay.py (executes the import failure)",
+        expects=(
+            Expect("'megatron.core.transformer.moe.router.TopKRouter.routing',", "routing is managed"),
+            Expect(
+                "from mindspeed.core.transformer.moe.moe_feature.adaptor import MindSpeedAlltoAllSEQTptoEpMoELayer",
+                "imported before any argument is read",
+            ),
+        ),
+    ),
 )

@@ -26,6 +26,7 @@ from verl_npu.contracts.spec import Contract, Expect
 _DEEPSEEK_V2 = "vllm/model_executor/models/deepseek_v2.py"
 _ENGINE_CORE = "vllm/v1/engine/core.py"
 _KV_CACHE_UTILS = "vllm/v1/core/kv_cache_utils.py"
+_ROUTES_CAPTURER = "vllm/model_executor/layers/fused_moe/routed_experts_capturer.py"
 
 # DeepseekV2Model.load_weights: (vLLM parameter, checkpoint name part, shard), tried in this order
 # on every name that is not a routed expert's; the first whose part is in the name renames it.
@@ -382,7 +383,7 @@ CONTRACTS = (
     Contract(
         id="vllm-routed-experts-capturer",
         component="vllm",
-        path="vllm/model_executor/layers/fused_moe/routed_experts_capturer.py",
+        path=_ROUTES_CAPTURER,
         locator="python",
         symbol="RoutedExpertsCapturer.capture",
         line=110,
@@ -520,6 +521,197 @@ CONTRACTS = (
         "(the storage the rollout's graphs read stays the same)",
         used_by="verl_npu/preflight/rollout.py (graph_checks)",
         expects=(Expect("expert_data.copy_(loaded_weight)", "in place"),),
+    ),
+    # --- R3: the routes the rollout returns (verl_npu/preflight/router_replay.py, docs/preflight_rollout.md) ----
+    Contract(
+        id="vllm-routes-capturer-config-keys",
+        component="vllm",
+        path=_ROUTES_CAPTURER,
+        locator="grep",
+        symbol=r'getattr\(hf_config, "|for key in \(|raise ValueError\($',
+        line=0,
+        sha256="dfc5f58a013b8b4ee500afd2ce1eefbcb84a5d4c8aeb8c7cb47bcce7fa7e8503",
+        relied_on="the route capturer reads top-k from num_experts_per_tok, else top_k_experts, and the expert count "
+        "from num_experts, n_routed_experts or num_local_experts, and raises when the model's config has neither",
+        used_by="verl_npu/preflight/router_replay.py (EXPERT_COUNT_KEYS, EXPERTS_PER_TOKEN_KEYS)",
+        expects=(
+            Expect('val = getattr(hf_config, "num_experts_per_tok", None)', "top-k, first name"),
+            Expect('val = getattr(hf_config, "top_k_experts", None)', "top-k, second name"),
+            Expect('for key in ("num_experts", "n_routed_experts", "num_local_experts"):', "the expert count's names"),
+        ),
+    ),
+    Contract(
+        id="vllm-routes-capturer-buffer",
+        component="vllm",
+        path=_ROUTES_CAPTURER,
+        locator="python",
+        symbol="RoutedExpertsCapturer.__init__",
+        line=86,
+        sha256="f631ebd7311ad061b0eedb5dda23d3eefcab59b14540009297bc6b8d1c728452",
+        relied_on="a worker's capture buffer is [max_num_batched_tokens, num_hidden_layers, top-k] int32 of the "
+        "language model's config: one column per decoder layer, MoE or not",
+        used_by="verl_npu/preflight/router_replay.py, verl_npu/preflight/memory_plan.py (R3's routes per token), "
+        "tests_npu/test_preflight_router_replay.py (executes it)",
+        expects=(
+            Expect("hf_config = vllm_config.model_config.hf_text_config", "the language model's config"),
+            Expect(
+                "self.device_buffer = torch.zeros( ( max_num_batched_tokens, hf_config.num_hidden_layers, "
+                "num_experts_per_tok, ),",
+                "tokens x every decoder layer x top-k",
+                ignore_whitespace=True,
+            ),
+            Expect("dtype=torch.int32,", "int32"),
+        ),
+    ),
+    Contract(
+        id="vllm-routes-capture-by-absolute-layer",
+        component="vllm",
+        path=_ROUTES_CAPTURER,
+        locator="python",
+        symbol="RoutedExpertsCapturer.capture",
+        line=110,
+        sha256="cffcbcfb0e697748d2c02ef18f6178c53339e57fe4399a5b4d599cd2d865c13b",
+        relied_on="vLLM's capture writes a layer's routes into its column (layer_id), rows of this DP rank's tokens; "
+        "without DP metadata it keeps what the rank routed, under DP it accepts the whole step, this rank's tokens or "
+        "an even sequence-parallel shard, and raises 'unexpected topk_ids batch dim' on any other slice (an uneven "
+        "all-to-all one)",
+        used_by="verl_npu/preflight/router_replay.py (R3 with rollout TP > 1, EP > 1 needs vllm-ascend's capture), "
+        "tests_npu/test_preflight_router_replay.py (executes it)",
+        expects=(
+            Expect(
+                "if ctx.dp_metadata is None:  # single dp\n            start_loc = 0\n            end_loc = "
+                "topk_ids.shape[0]",
+                "one DP rank: kept as routed",
+            ),
+            Expect(
+                "and n == (token_num_per_dp + self.tp_size - 1) // self.tp_size",
+                "only the ceil-div shard is gathered",
+            ),
+            Expect('"RoutedExpertsCapturer: unexpected topk_ids batch "', "any other slice raises"),
+            Expect(
+                "n == token_num_per_dp // self.tp_size",
+                "the shorter all-to-all slice is not accepted at our pin (vllm-ascend's capture accepts it)",
+                present=False,
+            ),
+            Expect(
+                "self.device_buffer[:token_num_per_dp, layer_id, :] = topk_ids[",
+                "written into the layer's own column",
+            ),
+        ),
+    ),
+    Contract(
+        id="vllm-fused-moe-layer-id-is-its-decoder-layer",
+        component="vllm",
+        path="vllm/model_executor/layers/fused_moe/layer.py",
+        locator="python",
+        symbol="FusedMoE.layer_id",
+        line=481,
+        sha256="bfdad175459fe309b23a5c2e58d19fbe141c8f3a0002ad86e4c909ed3c75828e",
+        relied_on="a FusedMoE layer's layer_id is the number in its module name (model.layers.5.mlp.experts -> 5), "
+        "so the routes land in the decoder layer's column and dense layers' columns stay 0",
+        used_by="verl_npu/preflight/router_replay.py, docs/preflight_rollout.md (routes indexed by absolute layer)",
+        expects=(Expect("return extract_layer_index(self.layer_name)", "from the module's name"),),
+    ),
+    Contract(
+        id="vllm-runner-binds-the-routes-capturer-it-makes",
+        component="vllm",
+        path="vllm/v1/worker/gpu_model_runner.py",
+        locator="python",
+        symbol="GPUModelRunner.init_routed_experts_capturer",
+        line=7357,
+        sha256="5f3cf2c53d91f669b20fe16885a6f08213179fbaa3a14f6c11808e25ea55a6e3",
+        relied_on="the runner makes one capturer sized by the scheduler's max_num_batched_tokens and hands it to "
+        "_bind_routed_experts_capturer, which vllm-ascend's NPU runner overrides",
+        used_by="verl_npu/preflight/router_replay.py (the R3 rollout check's capture path)",
+        expects=(
+            Expect(
+                "self.routed_experts_capturer = RoutedExpertsCapturer( "
+                "max_num_batched_tokens=self.scheduler_config.max_num_batched_tokens,",
+                "one capturer for the largest step",
+                ignore_whitespace=True,
+            ),
+            Expect(
+                "self._bind_routed_experts_capturer(self.routed_experts_capturer)", "bound by an overridable method"
+            ),
+        ),
+    ),
+    Contract(
+        id="vllm-routes-per-request-prompt-then-forwarded-tokens",
+        component="vllm",
+        path="vllm/v1/core/sched/scheduler.py",
+        locator="grep",
+        symbol=r"routed_experts = |if num_output_tokens_before == 0:|^\s*request\.num_prompt_tokens,$",
+        line=0,
+        sha256="02bc23d5c95c8193af0407708537e894187be8b0e97bec04e6fadfb9b342cee2",
+        relied_on="when a request's prefill completes the scheduler hands it the prompt's routes (one row per prompt "
+        "token), after that the rows of the tokens forwarded in the step; the last sampled token is never forwarded, "
+        "so a finished request has prompt + response - 1 rows",
+        used_by="verl_npu/preflight/router_replay.py (the shape it reports), docs/preflight_rollout.md",
+        expects=(
+            Expect(
+                "if num_output_tokens_before == 0:\nvllm/v1/core/sched/scheduler.py: routed_experts = "
+                "self.routed_experts_mgr.get(\nvllm/v1/core/sched/scheduler.py: request.num_prompt_tokens,",
+                "the prompt's routes when its prefill completes",
+            ),
+            Expect("routed_experts = routing_data[end - len(new_token_ids) : end]", "then the forwarded tokens' rows"),
+        ),
+    ),
+    Contract(
+        id="vllm-routes-joined-when-the-request-finishes",
+        component="vllm",
+        path="vllm/v1/engine/output_processor.py",
+        locator="grep",
+        symbol=r"routed_experts_chunks",
+        line=0,
+        sha256="e6c7b7c6a33127ecdfc9098225a2aeb1b22c8583a038996c544e622b4d21c44c",
+        relied_on="the output processor keeps each step's routes of a request and returns them joined along the "
+        "tokens only when it finishes (CompletionOutput.routed_experts, [tokens, layers, top-k])",
+        used_by="verl_npu/preflight/router_replay.py (the shape it reports)",
+        expects=(
+            Expect("req_state.routed_experts_chunks.append(", "each step's rows kept"),
+            Expect(
+                "if finished and self.routed_experts_chunks:\nvllm/v1/engine/output_processor.py: routed_experts = "
+                "np.concatenate(self.routed_experts_chunks, axis=0)",
+                "joined along the tokens at the end",
+            ),
+        ),
+    ),
+    Contract(
+        id="vllm-routes-refused-with-pipeline-parallelism-or-a-kv-connector",
+        component="vllm",
+        path="vllm/config/vllm.py",
+        locator="grep",
+        symbol=r"\.enable_return_routed_experts$|enable-return-routed-experts is incompatible|"
+        r'"pipeline parallelism \(PP > 1\)\."|"connectors \(PD disaggregation',
+        line=0,
+        sha256="6bffa5b4a48298dfb0fcaa571a60c70a5ab9ef631c8c6b58db6f0429853f0f41",
+        relied_on="vLLM refuses enable_return_routed_experts at engine start with pipeline parallelism and with any "
+        "KV connector (prefill/decode disaggregation, KV offload)",
+        used_by="verl_npu/preflight/router_replay.py (R3 with rollout disaggregation is a FAIL)",
+        expects=(
+            Expect('"pipeline parallelism (PP > 1)."', "refused with PP > 1"),
+            Expect('"connectors (PD disaggregation, KV cache offload)."', "refused with a KV connector"),
+        ),
+    ),
+    Contract(
+        id="vllm-dp-metadata-only-with-data-parallelism",
+        component="vllm",
+        path="vllm/forward_context.py",
+        locator="python",
+        symbol="set_forward_context",
+        line=250,
+        sha256="fada46e79a6c37546977c5559ba8e0ed65fe2bad24c89df8fad307c55f71c574",
+        relied_on="a forward gets DP metadata (tokens per DP rank) only when data_parallel_size > 1: with DP 1 the "
+        "route capturers take the single-rank branch and gather nothing",
+        used_by="verl_npu/preflight/router_replay.py (R3 with rollout DP 1, TP > 1, EP > 1 is a FAIL)",
+        expects=(
+            Expect(
+                "dp_metadata: DPMetadata | None = None if ( vllm_config.parallel_config.data_parallel_size > 1",
+                "DP metadata only with DP > 1",
+                ignore_whitespace=True,
+            ),
+            Expect("dp_metadata = DPMetadata.make(", "made there"),
+        ),
     ),
 )
 

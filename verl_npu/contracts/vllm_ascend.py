@@ -339,7 +339,8 @@ CONTRACTS = (
         sha256="697d0688c8a3d71aa4ece2d578cf0d4ee59123d1a6dc3ed453187a498826584d",
         relied_on="importing patch_routed_experts_capture replaces vLLM's RoutedExpertsCapturer.capture with the "
         "Ascend one (verl's GLM-5.2 patch imports it: vllm-ascend does not with vLLM 0.23.0)",
-        used_by="verl 0.9.1 verl/utils/vllm/npu_vllm_patch.py (apply_npu_vllm_patches)",
+        used_by="verl 0.9.1 verl/utils/vllm/npu_vllm_patch.py (apply_npu_vllm_patches); "
+        "verl_npu/preflight/router_replay.py (which capture is in force)",
         expects=(
             Expect(
                 "from vllm.model_executor.layers.fused_moe.routed_experts_capturer import RoutedExpertsCapturer",
@@ -623,6 +624,214 @@ CONTRACTS = (
             Expect(
                 'cpu_backup_tensor = torch.empty(size_in_bytes, dtype=torch.uint8, device="cpu", pin_memory=True)',
                 "one pinned block per allocation",
+            ),
+        ),
+    ),
+    # --- R3: the routes the rollout took (verl_npu/preflight/router_replay.py, docs/preflight_rollout.md) -----
+    Contract(
+        id="vllm-ascend-runner-makes-the-routes-capturer-with-the-kv-cache",
+        component="vllm-ascend",
+        path=_MODEL_RUNNER,
+        locator="grep",
+        symbol=r"^class NPUModelRunner\(|init_routed_experts_capturer",
+        line=0,
+        sha256="fc29c7363bdc9a15f939369922d617ea584217d212e25f36e2ff308fdf072db5",
+        relied_on="the NPU model runner is vLLM's GPU model runner subclassed: once the KV cache exists and "
+        "enable_return_routed_experts is on it calls vLLM's own init_routed_experts_capturer (it defines none), which "
+        "makes the capturer and hands it to the runner's _bind_routed_experts_capturer",
+        used_by="verl_npu/preflight/router_replay.py (the R3 rollout check's capture path)",
+        expects=(
+            Expect("class NPUModelRunner(GPUModelRunner):", "vLLM's runner underneath"),
+            Expect("self.init_routed_experts_capturer()", "the capturer is made after the KV cache"),
+            Expect("def init_routed_experts_capturer", "vLLM's method, not a replacement", present=False),
+        ),
+    ),
+    Contract(
+        id="vllm-ascend-runner-binds-the-routes-capturer-to-every-fused-moe",
+        component="vllm-ascend",
+        path=_MODEL_RUNNER,
+        locator="python",
+        symbol="NPUModelRunner._bind_routed_experts_capturer",
+        line=3887,
+        sha256="7b3b21459f47b107a6b766024f4e805e9e2f309d961c7b9ee28154323df59313",
+        relied_on="with vLLM 0.23.0 the NPU runner stores the capturer on every FusedMoE module of the compilation "
+        "context (vllm-ascend's routing never calls vLLM's router hook, where vLLM's GPU runner binds it)",
+        used_by="verl_npu/preflight/router_replay.py (the R3 rollout check's capture path), "
+        "tests_npu/test_preflight_router_replay.py (executes it)",
+        expects=(
+            Expect('if vllm_version_is("0.23.0"):', "the vLLM 0.23.0 branch"),
+            Expect(
+                "for module in self.compilation_config.static_forward_context.values(): if isinstance(module, "
+                "FusedMoE): module._ascend_routed_experts_capturer = capturer",
+                "every FusedMoE layer gets the capturer",
+                ignore_whitespace=True,
+            ),
+        ),
+    ),
+    Contract(
+        id="vllm-ascend-unquantized-moe-captures-the-routes-it-dispatches",
+        component="vllm-ascend",
+        path="vllm_ascend/ops/fused_moe/fused_moe.py",
+        locator="python",
+        symbol="AscendUnquantizedFusedMoEMethod.apply",
+        line=141,
+        sha256="4c19758d35c3ac4b049f32a6dea8c46c281d12f65e4768b6e5641474ddb8e1c4",
+        relied_on="the unquantized MoE method selects the experts and, when enable_return_routed_experts is on, hands "
+        "the capturer the same topk_ids (before the zero-expert rewrite) with the layer's absolute index",
+        used_by="verl_npu/preflight/router_replay.py (R3 on Ascend needs the unquantized rollout), "
+        "tests_npu/test_preflight_router_replay.py (executes it)",
+        expects=(
+            Expect("topk_weights, topk_ids = select_experts(", "the routes are chosen here"),
+            Expect(
+                'if vllm_version_is("0.23.0"): model_config = layer.vllm_config.model_config',
+                "reads the switch from the layer's config on vLLM 0.23.0",
+                ignore_whitespace=True,
+            ),
+            Expect(
+                "if model_config is not None and model_config.enable_return_routed_experts: capturer = getattr(layer, "
+                '"_ascend_routed_experts_capturer", None) if capturer is not None: capturer.capture(layer_id='
+                "layer.layer_id, topk_ids=topk_ids) if zero_expert_num > 0",
+                "captures the selected routes, before anything rewrites them",
+                ignore_whitespace=True,
+            ),
+        ),
+    ),
+    Contract(
+        id="vllm-ascend-quantized-moe-methods-never-capture",
+        component="vllm-ascend",
+        path="vllm_ascend/quantization",
+        locator="grep",
+        symbol=r"select_experts\(|capture|routed_experts",
+        line=0,
+        sha256="e5ff8f4955bff04095510899e7389eafe9ed8294c08290aab1c7ce4982ee212f",
+        relied_on="the quantized MoE methods (w8a8_dynamic, w4a8, w4a16, the MXFP ones and those deriving from them) "
+        "select their experts themselves and never call the route capturer: a quantized rollout returns expert 0 "
+        "for every route",
+        used_by="verl_npu/preflight/router_replay.py (R3 with a quantized rollout is a FAIL)",
+        expects=(
+            Expect(
+                "vllm_ascend/quantization/methods/w8a8_dynamic.py: topk_weights, topk_ids = select_experts(",
+                "the quantized methods route by themselves",
+            ),
+            Expect("capture", "no quantized method captures the routes", present=False),
+            Expect("routed_experts", "nor reads the capturer", present=False),
+        ),
+    ),
+    Contract(
+        id="vllm-ascend-ep-moe-communication",
+        component="vllm-ascend",
+        path="vllm_ascend/ascend_forward_context.py",
+        locator="python",
+        symbol="select_moe_comm_method",
+        line=303,
+        sha256="902afb790af0f4712cf9e4c66b0b360a67b35180340c3600078c403547c6e719",
+        relied_on="without expert parallelism (or with an EP group of one) the MoE layers all-gather the tokens, which "
+        "keeps each rank's whole step; with EP on A2/A3 they use MC2 or all-to-all (A3 by step size, "
+        "_select_a3_moe_comm_method; A2 MC2 for small steps on large EP groups)",
+        used_by="verl_npu/preflight/router_replay.py (when the TP ranks route slices of a step)",
+        expects=(
+            Expect(
+                "if not vllm_config.parallel_config.enable_expert_parallel or get_ep_group().world_size == 1: "
+                "moe_comm_type = MoECommType.ALLGATHER",
+                "no EP: all-gather",
+                ignore_whitespace=True,
+            ),
+            Expect("moe_comm_type = _select_a3_moe_comm_method(", "A3 with EP: its own choice"),
+            Expect("moe_comm_type = _select_a2_moe_comm_method(", "A2 with EP: its own choice"),
+        ),
+    ),
+    Contract(
+        id="vllm-ascend-all2all-moe-routes-a-tp-slice",
+        component="vllm-ascend",
+        path="vllm_ascend/ops/fused_moe/prepare_finalize.py",
+        locator="python",
+        symbol="PrepareAndFinalizeWithAll2All.prepare",
+        line=132,
+        sha256="8103d5eb4eb4a1611b4ab9e982dd968cf4f8dfbbf0677ed0e7ef45dede0c7cd5",
+        relied_on="before routing, the all-to-all MoE pads the step to at least TP rows and gives each TP rank "
+        "tensor_split(tokens, TP)[rank], so a rank routes only its slice",
+        used_by="verl_npu/preflight/router_replay.py (R3 with rollout EP > 1 and TP > 1), "
+        "tests_npu/test_preflight_router_replay.py (executes it)",
+        expects=(
+            Expect(
+                "split_hidden_states = torch.tensor_split(hidden_states, self.tp_size, dim=0)",
+                "the step split over TP",
+            ),
+            Expect("router_logits = split_router_logits[self.tp_rank]", "a rank routes its slice"),
+        ),
+    ),
+    Contract(
+        id="vllm-ascend-mc2-moe-routes-a-tp-slice",
+        component="vllm-ascend",
+        path="vllm_ascend/ops/fused_moe/prepare_finalize.py",
+        locator="python",
+        symbol="PrepareAndFinalizeWithMC2.prepare",
+        line=249,
+        sha256="47dba44a5f0f843190dd52e13f5eae1f9955bf13e6cde54f60c7717dc1242d73",
+        relied_on="MC2 pads the step to the padded token count and gives each TP rank tensor_split(tokens, TP)[rank] "
+        "before routing",
+        used_by="verl_npu/preflight/router_replay.py (R3 with rollout EP > 1 and TP > 1)",
+        expects=(
+            Expect("target_pad_length = _EXTRA_CTX.padded_num_tokens", "padded first"),
+            Expect(
+                "split_hidden_states = torch.tensor_split(hidden_states, self.tp_size, dim=0)",
+                "the step split over TP",
+            ),
+            Expect("router_logits = split_router_logits[self.tp_rank]", "a rank routes its slice"),
+        ),
+    ),
+    Contract(
+        id="vllm-ascend-routes-capture-patch-only-for-vllm-main",
+        component="vllm-ascend",
+        path="vllm_ascend/patch/worker/__init__.py",
+        locator="file",
+        symbol=None,
+        line=1,
+        sha256="87b23b247f1f38d0599de81232d5c434bd9bbe24ff950150f16a12d2a37122e9",
+        relied_on="vllm-ascend's worker patches import its routes capture (patch_routed_experts_capture) only with "
+        "the V2 model runner, which they turn off for vLLM 0.23.0: on this stack vLLM's own capture is in force unless "
+        "something else imports vllm-ascend's (verl's GLM-5.2 patch does)",
+        used_by="verl_npu/preflight/router_replay.py (R3 with rollout TP > 1 and EP > 1 needs verl's GLM-5.2 patch)",
+        expects=(
+            Expect(
+                'if vllm_version_is("0.23.0"):\n    _V2_MODEL_RUNNER_SUPPORTED = False',
+                "no V2 model runner with vLLM 0.23.0",
+            ),
+            Expect(
+                "if _V2_MODEL_RUNNER_SUPPORTED:\n    import vllm_ascend.patch.worker.patch_routed_experts_capture",
+                "the capture imported under the V2 runner's switch",
+            ),
+            Expect(
+                "\nimport vllm_ascend.patch.worker.patch_routed_experts_capture",
+                "never imported unconditionally",
+                present=False,
+            ),
+        ),
+    ),
+    Contract(
+        id="vllm-ascend-routes-capture-gathers-tp-slices",
+        component="vllm-ascend",
+        path="vllm_ascend/patch/worker/patch_routed_experts_capture.py",
+        locator="python",
+        symbol="capture",
+        line=35,
+        sha256="11807157678edccce3975a36d099a19da9070be68ff8ae5443204140f2d27bac",
+        relied_on="vllm-ascend's capture accepts, under data parallelism, the uneven all-to-all slices (ceil or floor "
+        "of tokens / TP) and the MC2-padded ones, all-gathers them over the TP group and keeps the DP rank's tokens; "
+        "without DP metadata it keeps whatever the rank routed",
+        used_by="verl_npu/preflight/router_replay.py (R3 needs it with rollout TP > 1 and EP > 1), "
+        "tests_npu/test_preflight_router_replay.py (executes it)",
+        expects=(
+            Expect(
+                "if ctx.dp_metadata is None:  # single dp\n        start_loc = 0\n        end_loc = topk_ids.shape[0]",
+                "one DP rank: no gather",
+            ),
+            Expect("n == (token_num_per_dp + self.tp_size - 1) // self.tp_size", "the longer all-to-all slice"),
+            Expect("or n == token_num_per_dp // self.tp_size", "the shorter all-to-all slice (vLLM's capture raises)"),
+            Expect("or n == (max_tokens + self.tp_size - 1) // self.tp_size", "an MC2-padded slice"),
+            Expect(
+                "dist.all_gather(list(split_topk_ids), topk_ids, get_tp_group().device_group)",
+                "gathered over the TP group",
             ),
         ),
     ),

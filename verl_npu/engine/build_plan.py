@@ -241,6 +241,9 @@ def build_plan(engine_config: Any, optimizer_config: Any, hf_config: Any, platfo
     _dsa(plan, problems, otc, engine_config, hf_config)
     _index_share(plan, problems, engine_config, hf_config)
     _offload_and_optimizer(plan, problems, engine_config, optimizer_config)
+    _router_replay(plan, problems, otc, engine_config)
+    _mindspeed_moe(plan, problems, otc)
+    _padding(plan, engine_config)
     if problems:
         raise BuildPlanError(problems)
     return BuildPlan(
@@ -421,6 +424,69 @@ def _dsa_rules(problems: _Problems, otc: Mapping[str, Any], engine_config: Any, 
             "DSA its x and qr inputs (the indexer's), so a DSA model cannot recompute it",
             f"set {OTC}.recompute_granularity=full (with recompute_method / recompute_num_layers), or keep selective "
             f'recompute with recompute_modules that leave out core_attn, e.g. ["mla_up_proj", "mlp"]',
+        )
+
+
+def _padding(plan: _Draft, engine_config: Any) -> None:
+    """verl 0.9.1 pads every padded (BSHD) micro-batch to its mini-batch's longest sequence by default
+    (pad_bshd_to_minibatch_max, for one cuDNN plan per shape); with dynamic batching a short sequence alone in its
+    micro-batch then costs the longest one's step (bench/results/padded_layout_h200.json: 20x at 4k of 32k)."""
+    if _get(engine_config, "use_remove_padding", False) or not _get(engine_config, "pad_bshd_to_minibatch_max", True):
+        return
+    plan.warnings.append(
+        "pad_bshd_to_minibatch_max=True (verl's default) pads every micro-batch to the mini-batch's longest sequence: "
+        "a 4k sequence in a 32k mini-batch then takes the 32k step (20x on nvidia-h200, "
+        "bench/results/padded_layout_h200.json); set megatron.pad_bshd_to_minibatch_max=False to pad each "
+        "micro-batch to its own longest"
+    )
+
+
+ROUTER_REPLAY_MODES = ("disabled", "R2", "R3")
+ROUTER_REPLAY_KEY = "actor_rollout_ref.actor.megatron.router_replay.mode"
+
+
+def _router_replay(plan: _Draft, problems: _Problems, otc: Mapping[str, Any], engine_config: Any) -> None:
+    """verl's MoE routing replay: exact where its routes land on the rows the routers see (docs/router_replay.md).
+
+    Packed (THD) input is verl's own layout; padded (BSHD) input, the only one DSA takes, is laid out by the
+    router-replay-padded patch. Refused: what replays other experts than recorded, whatever the layout (and,
+    on Ascend, MindSpeed's tp-extend-ep routing, which _mindspeed_moe refuses outright)."""
+    mode = _get(_get(engine_config, "router_replay"), "mode", "disabled")
+    if mode not in ROUTER_REPLAY_MODES[1:]:
+        return  # off, or a mode verl's EngineRouterReplayConfig refuses itself (preflight names it once)
+    if not _get(engine_config, "use_remove_padding", False):
+        plan.features.append("router_replay_padded")
+        plan.notes.append(f"router replay {mode} on the padded layout: routes laid on [seq, batch] rows")
+    capacity = otc.get("moe_expert_capacity_factor")
+    if capacity is not None:
+        problems.add(
+            f"{ROUTER_REPLAY_KEY}={mode} with {OTC}.moe_expert_capacity_factor={capacity}",
+            "megatron drops the tokens over an expert's capacity after the (replayed) choice, per micro-batch, so "
+            "under another split or batch a replayed token loses some of its recorded experts",
+            f"remove {OTC}.moe_expert_capacity_factor (dropless MoE), or set router_replay.mode=disabled",
+        )
+
+
+def _mindspeed_moe(plan: _Draft, problems: _Problems, otc: Mapping[str, Any]) -> None:
+    """MindSpeed core_r0.18.0's MoE features that cannot run over megatron-core 0.18 (executed with MindSpeed's
+    source on the CPU: tests_npu/test_ascend_sim_router_replay.py, docs/router_replay.md)."""
+    if plan.platform != "ascend":
+        return
+    if otc.get("moe_tp_extend_ep"):
+        problems.add(
+            f"{OTC}.moe_tp_extend_ep=True",
+            "MindSpeed's tp-extend-ep feature imports megatron's legacy all-to-all dispatcher, which megatron-core "
+            "0.18 removed: repatch raises ModuleNotFoundError (mindspeed/core/transformer/moe/moe_feature); it would "
+            "also replace TopKRouter.routing, where verl's routing replay hooks in",
+            f"remove {OTC}.moe_tp_extend_ep",
+        )
+    fused = [key for key in ("moe_permute_fusion", "use_fused_moe_token_permute_and_unpermute") if otc.get(key)]
+    if fused and otc.get("moe_token_dispatcher_type", "alltoall") == "alltoall":
+        problems.add(
+            f"{OTC}.{fused[0]}=True with the all-to-all dispatcher",
+            "MindSpeed core_r0.18.0 then wraps MoEAlltoAllTokenDispatcher.__init__ with a signature that lacks "
+            "megatron-core 0.18's pg_collection, so no MoE layer builds (TypeError)",
+            f"remove {OTC}.{fused[0]}",
         )
 
 

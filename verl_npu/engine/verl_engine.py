@@ -19,7 +19,7 @@ from verl.workers.engine.base import EngineRegistry
 from verl.workers.engine.megatron import MegatronEngineWithLMHead, MegatronEngineWithValueHead
 
 from verl_npu import platform as _platform
-from verl_npu.engine import build
+from verl_npu.engine import build, router_replay
 from verl_npu.engine.build_plan import build_plan
 from verl_npu.engine.offload import OffloadManager
 from verl_npu.engine.optimizer_state import ensure_torch_adam_state, resync_torch_adam_steps
@@ -60,6 +60,14 @@ class NPUMegatronEngineMixin:
         module = super()._build_megatron_module()
         build.adapt_module(self.bridge, module)
         return module
+
+    def forward_step(self, batch_iter, model, logits_processor_func, postprocess_micro_batch_func):
+        # verl's routing replay assumes packed rows; on the padded layout the router-replay-padded patch lays the
+        # routes out, reading the micro-batch this forward runs (docs/router_replay.md)
+        if not getattr(self, "enable_routing_replay", False) or self.engine_config.use_remove_padding:
+            return super().forward_step(batch_iter, model, logits_processor_func, postprocess_micro_batch_func)
+        with router_replay.padded_forward(batch_iter) as batches:
+            return super().forward_step(batches, model, logits_processor_func, postprocess_micro_batch_func)
 
     def _offloader(self) -> OffloadManager:
         if self._offload_manager is None:

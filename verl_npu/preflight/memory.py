@@ -67,6 +67,7 @@ Assumptions (each one a reading of megatron-core 0.18 / verl 0.9.1 / verl_npu, o
     worst node is reported. Every node also holds the rollout's sleep-mode weight copies
     (``rollout_host_bytes_per_node``, computed by verl_npu.preflight.rollout): on Ascend verl sleeps vLLM
     at level 1, which keeps a pinned copy of each rollout rank's weight allocations while the actor trains.
+    With routing replay the busiest node also holds the step's MoE routes (:class:`ReplayRoutes`).
   * ``overhead_bytes`` (default 2 GiB) stands for the runtime's own allocations: communication
     buffers, kernel workspaces, allocator fragmentation. It is a knob, not a measurement.
 """
@@ -256,6 +257,107 @@ class StageEstimate:
         return sum(self.floor.values())
 
 
+ROUTE_BYTES = 2  # verl keeps routes as int16, the rollout's and those the old-log-prob pass records alike
+
+
+def _ceil_div(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+@dataclasses.dataclass(frozen=True)
+class ReplayRoutes:
+    """Host RAM of the MoE routes verl 0.9.1 keeps with one step's samples for routing replay.
+
+    Each sample carries int16 ``[tokens, layers, top_k]`` (the rollout's routes over every decoder layer, as vLLM
+    captures them, which R3 replays; or the routes R2's old-log-prob pass records, one column per MoE layer), of at
+    most ``tokens_per_sample`` = prompt + response tokens. Where they sit, in verl's v1 trainer:
+
+    * TransferQueue's SimpleStorage keeps the step until it ends: sample ``i`` in storage unit ``i % storage_units``,
+      the units spread round-robin over the nodes;
+    * every training process (each rank of a data-parallel group alike) fetches its data-parallel share for the
+      old-log-prob pass and again for the update, and the engine copies what it runs into micro-batches (the update
+      first into mini-batches): a process holds its share and one more share's worth at most (the share split into
+      micro-batches, or two mini-batches, the previous one and the next);
+    * with the rollout's MoE load-balance metrics on, the driver fetches the whole step's routes after the update
+      and pads them (two copies).
+
+    The busiest node holds the most storage units and, besides, its processes' copies or the driver's.
+    """
+
+    mode: str  # the actor's replay mode: R2, R3, or disabled (the rollout's routes kept though nothing reads them)
+    recorded: bool  # True: R2's recorded routes (MoE layers); False: the rollout's (every decoder layer)
+    layers: int
+    top_k: int
+    samples: int  # train_batch_size x rollout.n
+    tokens_per_sample: int  # max_prompt_length + max_response_length
+    data_parallel: int  # the actor's data-parallel size (world / (TP x PP x CP))
+    mini_batch_samples: int  # ppo_mini_batch_size x rollout.n
+    storage_units: int  # TransferQueue SimpleStorage's num_data_storage_units
+    nodes: int
+    devices_per_node: int  # training processes per node
+    driver_fetches: bool = False  # rollout.moe_load_balance_metrics_interval > 0
+
+    @property
+    def bytes_per_token(self) -> int:
+        return self.layers * self.top_k * ROUTE_BYTES
+
+    @property
+    def sample_bytes(self) -> int:
+        return self.tokens_per_sample * self.bytes_per_token
+
+    @property
+    def batch_bytes(self) -> int:
+        return self.samples * self.sample_bytes
+
+    @property
+    def storage_samples_per_node(self) -> int:
+        """Samples the busiest node's storage units hold."""
+        units = _ceil_div(self.storage_units, self.nodes)
+        return min(units * _ceil_div(self.samples, self.storage_units), self.samples)
+
+    @property
+    def samples_per_process(self) -> int:
+        return _ceil_div(self.samples, self.data_parallel)
+
+    @property
+    def mini_batch_samples_per_process(self) -> int:
+        return min(_ceil_div(self.mini_batch_samples, self.data_parallel), self.samples_per_process)
+
+    @property
+    def process_samples(self) -> int:
+        """The most samples' routes one training process holds at once."""
+        share = self.samples_per_process
+        return share + max(share, 2 * self.mini_batch_samples_per_process)
+
+    @property
+    def storage_bytes_per_node(self) -> int:
+        return self.storage_samples_per_node * self.sample_bytes
+
+    @property
+    def process_bytes(self) -> int:
+        return self.process_samples * self.sample_bytes
+
+    @property
+    def process_bytes_per_node(self) -> int:
+        return self.devices_per_node * self.process_bytes
+
+    @property
+    def driver_bytes(self) -> int:
+        return 2 * self.batch_bytes if self.driver_fetches else 0
+
+    @property
+    def bytes_per_node(self) -> int:
+        """The busiest node: its storage units, and its processes' copies or the driver's (which fetches after the
+        update, when the processes have let theirs go)."""
+        return self.storage_bytes_per_node + max(self.process_bytes_per_node, self.driver_bytes)
+
+    def to_dict(self) -> dict:
+        derived = ("bytes_per_token", "sample_bytes", "batch_bytes", "storage_samples_per_node", "samples_per_process",
+                   "mini_batch_samples_per_process", "process_samples", "storage_bytes_per_node", "process_bytes",
+                   "process_bytes_per_node", "driver_bytes", "bytes_per_node")  # fmt: skip
+        return {**dataclasses.asdict(self), **{name: getattr(self, name) for name in derived}}
+
+
 @dataclasses.dataclass(frozen=True)
 class MemoryEstimate:
     stages: tuple[StageEstimate, ...]
@@ -268,11 +370,17 @@ class MemoryEstimate:
     platform: str = "ascend"  # whose offload arenas host_bytes counts
     # pinned host RAM of the rollout's sleep-mode weight copies on every node (verl_npu.preflight.rollout)
     rollout_host_bytes_per_node: int = 0
+    replay_routes: ReplayRoutes | None = None  # routing replay's routes in the batch (None: replay off)
+
+    @property
+    def routes_host_bytes_per_node(self) -> int:
+        return self.replay_routes.bytes_per_node if self.replay_routes is not None else 0
 
     @property
     def node_host_bytes(self) -> int:
-        """Host RAM of the busiest node: the actor's offload arenas and the rollout's sleep-mode weight copies."""
-        return self.host_bytes_per_node + self.rollout_host_bytes_per_node
+        """Host RAM of the busiest node: the actor's offload arenas, the rollout's sleep-mode weight copies and the
+        routing replay routes kept with the step's samples."""
+        return self.host_bytes_per_node + self.rollout_host_bytes_per_node + self.routes_host_bytes_per_node
 
     def rollout_bytes(self, stage: StageEstimate) -> int:
         return stage.floor_bytes + self.rollout_reserved_bytes
@@ -299,6 +407,8 @@ class MemoryEstimate:
             "rollout_reserved_bytes": self.rollout_reserved_bytes,
             "host_bytes_per_node": self.host_bytes_per_node,
             "rollout_host_bytes_per_node": self.rollout_host_bytes_per_node,
+            "routes_host_bytes_per_node": self.routes_host_bytes_per_node,
+            "replay_routes": self.replay_routes.to_dict() if self.replay_routes is not None else None,
             "node_host_bytes": self.node_host_bytes,
             "worst_node": self.worst_node,
             "worst_node_stages": list(self.worst_node_stages),
@@ -327,7 +437,8 @@ class MemoryEstimate:
         lines.append(
             f"host RAM, worst node {self.worst_node} (stages {list(self.worst_node_stages)}): "
             f"{self.host_bytes_per_node / GiB:.1f} GiB offloaded + "
-            f"{self.rollout_host_bytes_per_node / GiB:.1f} GiB rollout sleep copies; fits: {self.fits}"
+            f"{self.rollout_host_bytes_per_node / GiB:.1f} GiB rollout sleep copies + "
+            f"{self.routes_host_bytes_per_node / GiB:.1f} GiB replay routes; fits: {self.fits}"
         )
         return "\n".join(lines)
 

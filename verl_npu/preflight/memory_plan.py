@@ -11,13 +11,25 @@ The device's capacity comes from the preflight target (the chip, from the stack 
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+import dataclasses
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
 
 from verl_npu.checks import FAIL, OK, WARN, Check
-from verl_npu.preflight.memory import Activations, GiB, MemoryEstimate, Offload, Parallelism, Precision, estimate
+from verl_npu.inputs import MAX_BATCH, MAX_PARALLEL
+from verl_npu.preflight.memory import (
+    Activations,
+    GiB,
+    MemoryEstimate,
+    Offload,
+    Parallelism,
+    Precision,
+    ReplayRoutes,
+    estimate,
+)
 from verl_npu.preflight.mesh import TrainMesh
 from verl_npu.preflight.model_shape import ModelShape
-from verl_npu.preflight.values import LaunchValues, MegatronRole
+from verl_npu.preflight.values import ROLLOUT, LaunchValues, MegatronRole, Reader
 
 if TYPE_CHECKING:
     from verl_npu.engine.build_plan import BuildPlan
@@ -32,12 +44,14 @@ def estimate_launch(
     target: Target,
     host_memory_gib: float | None = None,
     rollout_host_bytes_per_node: int = 0,
+    config: Mapping[str, Any] | None = None,
 ) -> tuple[MemoryEstimate, list[Check]]:
     """The actor's memory on ``target``, built the way ``plan`` (the actor's build plan) says.
 
     ``values`` is the launch's typed view (a Megatron actor); ``host_memory_gib``: host RAM per node (None: not
     checked; a given value is > 0, as the CLI and run_preflight parse it); ``rollout_host_bytes_per_node``: the
-    rollout's sleep-mode weight copies on every node (verl_npu.preflight.rollout).
+    rollout's sleep-mode weight copies on every node (verl_npu.preflight.rollout); ``config``: the resolved verl
+    config, for the routing replay routes kept with the batch (:func:`replay_routes`; None: not counted).
     """
     actor = values.actor
     if actor is None:
@@ -56,7 +70,9 @@ def estimate_launch(
         platform=plan.platform,
         rollout_host_bytes_per_node=rollout_host_bytes_per_node,
     )
-    return result, memory_checks(result, offload, target.chip)
+    routes, route_checks = replay_routes(config, values, shape, mesh) if config is not None else (None, [])
+    result = dataclasses.replace(result, replay_routes=routes)
+    return result, route_checks + memory_checks(result, offload, target.chip)
 
 
 def _parallelism(values: LaunchValues, mesh: TrainMesh) -> Parallelism:
@@ -169,7 +185,141 @@ def memory_checks(result: MemoryEstimate, offload: Offload, chip: str) -> list[C
 
 def _host_parts(result: MemoryEstimate) -> str:
     gib = lambda b: f"{b / GiB:.1f} GiB"  # noqa: E731
-    return (
+    parts = (
         f"{gib(result.host_bytes_per_node)} of offloaded actor state, {gib(result.rollout_host_bytes_per_node)} of "
         "the rollout's sleep-mode weight copies"
     )
+    if result.replay_routes is not None:
+        parts += f", {gib(result.routes_host_bytes_per_node)} of routing replay routes"
+    return parts
+
+
+# --- routing replay's routes in the batch (verl_npu.preflight.memory.ReplayRoutes) --------------------------------
+ROUTES_CHECK = "memory.replay-routes"
+TRANSFER_QUEUE = "transfer_queue.backend"
+# verl 0.9.1's trainer defaults (its ppo_trainer config): the v1 trainer, TransferQueue's SimpleStorage of 8 units
+USE_V1 = "trainer.use_v1"
+STORAGE_BACKEND = f"{TRANSFER_QUEUE}.storage_backend"
+STORAGE_UNITS = f"{TRANSFER_QUEUE}.SimpleStorage.num_data_storage_units"
+LOAD_BALANCE_METRICS = f"{ROLLOUT}.moe_load_balance_metrics_interval"
+
+
+def replay_routes(
+    config: Mapping[str, Any], values: LaunchValues, shape: ModelShape, mesh: TrainMesh
+) -> tuple[ReplayRoutes | None, list[Check]]:
+    """The MoE routes verl keeps with the step's samples, and a check showing them (None, []: no routes kept).
+
+    Routes are kept when the rollout returns them (``enable_rollout_routing_replay`` with vLLM; R3 replays them, and
+    they are kept whatever the mode) or when R2's old-log-prob pass records them (a batch without the rollout's
+    routes). The rules behind each number are :class:`verl_npu.preflight.memory.ReplayRoutes`' and
+    docs/preflight_rollout.md's ("Routing replay"); the rollout's layout rests on contracts
+    vllm-routes-capturer-buffer and vllm-routes-per-request-prompt-then-forwarded-tokens.
+    """
+    from verl_npu.preflight.router_replay import MODES, ROLLOUT_NAME, ROLLOUT_ROUTES, ROUTE_RETURNING_ROLLOUTS, mode_key
+
+    r = Reader(config)
+    mode = r.choice(mode_key("actor"), MODES, default="disabled")
+    returns = r.boolean(ROLLOUT_ROUTES, default=False)
+    name = r.text(ROLLOUT_NAME, default=None, max_length=64)
+    if r.errors:
+        return None, [
+            Check(
+                ROUTES_CHECK,
+                WARN,
+                "the routing replay routes kept with the batch were not estimated: the replay keys are not readable "
+                "(router-replay.value above); the host RAM estimate leaves them out",
+            )
+        ]
+    rollout_routes = bool(returns) and name in ROUTE_RETURNING_ROLLOUTS
+    recorded = mode == "R2" and not rollout_routes  # the engine records only into a batch without routes
+    if not (rollout_routes or recorded) or not (shape.num_experts and shape.router_topk):
+        return None, []  # nothing kept (a model without routed experts is router-replay.model's FAIL)
+    if rollout_routes and name != "vllm":
+        return None, [
+            Check(
+                ROUTES_CHECK,
+                WARN,
+                f"{ROLLOUT_NAME}={name}: the routes it returns were not estimated (the verl-npu stack pins no {name}); "
+                "the host RAM estimate leaves them out",
+            )
+        ]
+    use_v1 = r.boolean(USE_V1, default=True)
+    backend = r.text(STORAGE_BACKEND, default="SimpleStorage", max_length=64)
+    units = r.integer(STORAGE_UNITS, 1, MAX_PARALLEL, default=8)
+    interval = r.integer(LOAD_BALANCE_METRICS, 0, MAX_BATCH, default=0)
+    if r.errors:
+        return None, [Check(ROUTES_CHECK, FAIL, str(e), fix=f"set {getattr(e, 'key', 'it')} to a valid value")
+                      for e in r.errors]  # fmt: skip
+    routes = ReplayRoutes(
+        mode=mode or "disabled",
+        recorded=recorded,
+        layers=sum(shape.is_moe) if recorded else shape.num_layers,
+        top_k=shape.router_topk,
+        samples=values.train_batch_size * values.rollout.n,
+        tokens_per_sample=values.max_sequence,
+        data_parallel=mesh.dp,
+        mini_batch_samples=values.ppo_mini_batch_size * values.rollout.n,
+        storage_units=units or 8,
+        nodes=values.nnodes,
+        devices_per_node=values.n_gpus_per_node,
+        driver_fetches=bool(interval),
+    )
+    where = _where_the_batch_lives(use_v1, backend)
+    if where is not None:
+        return None, [
+            Check(
+                ROUTES_CHECK,
+                WARN,
+                f"{_routes_kept(routes)}, {_gib(routes.batch_bytes)} for the step's {routes.samples:,} samples; "
+                f"{where}, so the host RAM estimate leaves them out",
+            )
+        ]
+    return routes, [Check(ROUTES_CHECK, OK, _routes_detail(routes))]
+
+
+def _gib(nbytes: int) -> str:
+    return f"{nbytes / GiB:.1f} GiB"
+
+
+def _where_the_batch_lives(use_v1: bool | None, backend: str | None) -> str | None:
+    """Why the routes' place in host RAM is not modelled (None: verl's v1 trainer over SimpleStorage, modelled)."""
+    if not use_v1:
+        return (
+            f"with {USE_V1}=False verl's legacy trainer holds the batch in its driver and ships the shares through "
+            "Ray's object store, which preflight does not model"
+        )
+    if backend != "SimpleStorage":
+        return f"{STORAGE_BACKEND}={backend}: preflight models TransferQueue's SimpleStorage only"
+    return None
+
+
+def _routes_kept(routes: ReplayRoutes) -> str:
+    if routes.recorded:
+        what = f"R2: the old-log-prob pass records the routes of the {routes.layers} MoE layers"
+    else:
+        mode = "R3 replays them" if routes.mode == "R3" else f"the replay mode is {routes.mode}"
+        what = f"the rollout returns every token's routes over all {routes.layers} decoder layers ({mode})"
+    return (
+        f"{what}, and verl keeps them with each sample as int16 [tokens, {routes.layers}, top-{routes.top_k}]: "
+        f"{routes.bytes_per_token:,} B per token, up to {routes.sample_bytes / 2**20:,.1f} MiB per sample of "
+        f"{routes.tokens_per_sample:,} tokens"
+    )
+
+
+def _routes_detail(routes: ReplayRoutes) -> str:
+    share, mini = routes.samples_per_process, routes.mini_batch_samples_per_process
+    detail = (
+        f"{_routes_kept(routes)}. The step's {routes.samples:,} samples: {_gib(routes.batch_bytes)} in TransferQueue's "
+        f"{routes.storage_units} storage units over {routes.nodes} nodes ({routes.storage_samples_per_node:,} "
+        f"samples, {_gib(routes.storage_bytes_per_node)}, on the busiest); each training process fetches its "
+        f"data-parallel share ({share:,} samples, DP {routes.data_parallel}) and copies it into micro-batches (the "
+        f"update: into mini-batches of {mini:,}, then micro-batches), up to {routes.process_samples:,} samples' routes "
+        f"at once: {_gib(routes.process_bytes)} x {routes.devices_per_node} processes per node = "
+        f"{_gib(routes.process_bytes_per_node)}"
+    )
+    if routes.driver_fetches:
+        detail += (
+            f"; {LOAD_BALANCE_METRICS} > 0: the driver fetches the whole step's routes and pads them "
+            f"({_gib(routes.driver_bytes)}, after the update)"
+        )
+    return detail + f". Up to {_gib(routes.bytes_per_node)} on the busiest node, counted in its host RAM below"

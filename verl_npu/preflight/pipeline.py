@@ -132,6 +132,7 @@ def _check(
     :meth:`ModelShape.from_dict` for the model): one FAIL check per bad value, and then no step computes with them.
     """
     from verl_npu.preflight import config_check
+    from verl_npu.preflight.router_replay import router_replay_checks
     from verl_npu.preflight.values import read_model_path
 
     before = len(report.checks)
@@ -156,6 +157,7 @@ def _check(
     stand_in = report.model_origin in (FROM_BESIDE_SCRIPT, FROM_NAME)  # the model path's name is evidence too
     platform = request.target.platform
     report.checks += config_check.rollout_model_checks(resolved, hf, launch_env, platform, model_path, stand_in)
+    report.checks += router_replay_checks(resolved, hf, launch_env, platform)
     shape = model_shape(report, hf)
     if values is None or shape is None:
         report.checks.append(
@@ -180,7 +182,7 @@ def _check(
             )
         )
     elif actor_mesh is not None and "actor" in plans:
-        memory(report, values, shape, actor_mesh, plans["actor"], request, rollout_host)
+        memory(report, values, shape, actor_mesh, plans["actor"], request, rollout_host, resolved)
 
 
 def _prefetch() -> None:
@@ -350,11 +352,12 @@ def memory(
     plan: BuildPlan,
     request: _Request,
     rollout_host_bytes_per_node: int = 0,
+    resolved: Mapping[str, Any] | None = None,
 ) -> None:
-    """The actor's HBM per pipeline stage and host RAM per node (with the rollout's sleep-mode copies), as its build
-    plan builds it on the target."""
+    """The actor's HBM per pipeline stage and host RAM per node (with the rollout's sleep-mode copies and the routing
+    replay routes the resolved config keeps), as its build plan builds it on the target."""
     from verl_npu.preflight.memory_plan import estimate_launch
 
     report.memory, checks = estimate_launch(values, shape, actor_mesh, plan, request.target, request.host_memory_gib,
-                                            rollout_host_bytes_per_node)  # fmt: skip
+                                            rollout_host_bytes_per_node, resolved)  # fmt: skip
     report.checks += checks

@@ -85,7 +85,8 @@ def memory_table(report: PreflightReport) -> Table | None:
         )
     host = f"host RAM: {gib(memory.node_host_bytes)} GiB on the busiest node (node {memory.worst_node}"
     host += f", stages {list(memory.worst_node_stages)}: {gib(memory.host_bytes_per_node)} offloaded actor state + "
-    host += f"{gib(memory.rollout_host_bytes_per_node)} rollout sleep-mode copies)"
+    host += f"{gib(memory.rollout_host_bytes_per_node)} rollout sleep-mode copies"
+    host += f" + {gib(memory.routes_host_bytes_per_node)} replay routes)" if memory.replay_routes is not None else ")"
     if memory.host_capacity_bytes:
         host += f" of {gib(memory.host_capacity_bytes)} GiB"
     table.caption = host + f"; rollout phase = offload floor + vLLM's {gib(memory.rollout_reserved_bytes)} GiB"

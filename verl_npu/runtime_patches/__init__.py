@@ -16,14 +16,17 @@ from verl_npu.runtime_patches import (
     dsa_sparse_attention,
     mbridge_glm5,
     mindspeed_dsa_cp_config,
+    mindspeed_router_replay,
     ray_runtime_env,
     rope_cpu_init,
+    router_replay_padded,
 )
 
 # in the order the layer applies them
 MODULES = (
     ray_runtime_env,
     mindspeed_dsa_cp_config,
+    mindspeed_router_replay,
     dsa_indexer_rotation,
     dsa_call_context,
     dsa_sparse_attention,
@@ -34,6 +37,7 @@ MODULES = (
     dsa_local_spec,
     rope_cpu_init,
     mbridge_glm5,
+    router_replay_padded,
 )
 
 ALL = tuple(patch for module in MODULES for patch in module.PATCHES)

@@ -190,9 +190,7 @@ def rows_to_samples(rows: torch.Tensor, layout: PaddedLayout, tf_config: Any) ->
 
     if _sequence_parallel(tf_config):
         rows = gather_from_sequence_parallel_region(rows, tensor_parallel_output_grad=False)
-    batch = len(layout.lengths)
-    valid = layout.valid()
-    seq = valid.shape[1]
+    batch, seq = len(layout.lengths), len(layout.positions())
     if rows.shape[0] != seq * batch:
         raise RuntimeError(
             "verl-npu router replay: the routers saw a different token layout than the padded forward: "

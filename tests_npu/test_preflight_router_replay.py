@@ -31,6 +31,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from support import vllm_cpu
 
 from verl_npu.checks import FAIL, OK, WARN
 from verl_npu.preflight import run_preflight
@@ -207,23 +208,14 @@ def test_r3_without_verls_glm52_patch_is_no_go_on_ascend(tmp_path):
 
 
 # --- part 2: the route capture of vLLM 0.23.0 + vllm-ascend 0.23.0, executed on the CPU -----------------------------
-SCALED_LAYERS = 8  # GLM-5.2's published config with small sizes: layers 0-2 dense, 3-7 MoE (4 experts, top-2)
+SCALED_LAYERS = vllm_cpu.SCALED_LAYERS  # layers 0-2 dense, 3-7 MoE (4 experts, top-2)
 STEP_TOKENS, TP, DP_TOKENS = 16, 8, 13
 
 
 def _scaled_config(directory: Path) -> Path:
     from transformers import GlmMoeDsaConfig
 
-    published = json.loads((EXAMPLE / "config.json").read_text())
-    scaled = {
-        **{k: v for k, v in published.items() if k not in ("architectures", "torch_dtype", "use_cache")},
-        "vocab_size": 128, "hidden_size": 64, "intermediate_size": 160, "moe_intermediate_size": 48,
-        "num_hidden_layers": SCALED_LAYERS, "num_attention_heads": 4, "num_key_value_heads": 4, "n_routed_experts": 4,
-        "num_experts_per_tok": 2, "q_lora_rank": 32, "kv_lora_rank": 16, "index_n_heads": 2, "index_topk": 32,
-        "max_position_embeddings": 128, "indexer_types": published["indexer_types"][:SCALED_LAYERS],
-        "mlp_layer_types": published["mlp_layer_types"][:SCALED_LAYERS],
-    }  # fmt: skip
-    GlmMoeDsaConfig(**scaled).save_pretrained(directory)  # no weights: vLLM loads load_format="dummy"
+    GlmMoeDsaConfig(**vllm_cpu.SCALED_GLM5_2).save_pretrained(directory)  # no weights: vLLM loads load_format="dummy"
     return directory
 
 
@@ -231,8 +223,6 @@ def _scaled_config(directory: Path) -> Path:
 def captured(tmp_path_factory) -> dict:
     """The rollout side run twice, side by side: with the example's environment (verl's GLM-5.2 patch on) and
     without the patch."""
-    from support import vllm_cpu
-
     from verl_npu.envfile import env_file_variables
 
     sources = vllm_cpu.sources()
@@ -372,7 +362,6 @@ def _rollout_side(request: dict) -> dict:
     import types
 
     import torch
-    from support import vllm_cpu
 
     vllm_cpu._install_stand_ins()
     os.environ.update(request["env"])

@@ -31,13 +31,13 @@ the same checks as the real one passes, naming what went wrong.
 
 from __future__ import annotations
 
-import json
 import re
 import zipfile
 from pathlib import Path
 
 import pytest
 import torch
+from support import vllm_cpu
 from support.glm5_2_checkpoint import mtp_prefixes, shared_indexer_prefixes, tiny_glm5_2_checkpoint
 from test_glm5_bridge import cpu_engine, no_hadamard_shim_afterwards, select_npu_engine  # noqa: F401
 
@@ -45,16 +45,7 @@ pytestmark = [pytest.mark.network, pytest.mark.ascend_sim, pytest.mark.usefixtur
 
 REPO = Path(__file__).resolve().parent.parent
 EXAMPLE = REPO / "examples" / "glm5_2"
-PUBLISHED = json.loads((EXAMPLE / "config.json").read_text())
-LAYERS = 8
-SCALED = {
-    **{k: v for k, v in PUBLISHED.items() if k not in ("architectures", "torch_dtype", "use_cache")},
-    "vocab_size": 128, "hidden_size": 64, "intermediate_size": 160, "moe_intermediate_size": 48,
-    "num_hidden_layers": LAYERS, "num_attention_heads": 4, "num_key_value_heads": 4, "n_routed_experts": 4,
-    "num_experts_per_tok": 2, "q_lora_rank": 32, "kv_lora_rank": 16, "index_n_heads": 2, "index_topk": 32,
-    "max_position_embeddings": 128, "indexer_types": PUBLISHED["indexer_types"][:LAYERS],
-    "mlp_layer_types": PUBLISHED["mlp_layer_types"][:LAYERS],
-}  # fmt: skip
+PUBLISHED, LAYERS, SCALED = vllm_cpu.PUBLISHED_GLM5_2, vllm_cpu.SCALED_LAYERS, vllm_cpu.SCALED_GLM5_2
 HEADS, K_DIM, V_DIM, LATENT = 4, PUBLISHED["qk_nope_head_dim"], PUBLISHED["v_head_dim"], SCALED["kv_lora_rank"]
 # verl's default bucket is 2048 MB; 1 MB splits this 3 MB export into several, as a 1.5 TB one is split
 BUCKET_MEGABYTES = 1
@@ -144,7 +135,6 @@ BROKEN = {
 
 @pytest.fixture(scope="module")
 def vllm_sources():
-    from support import vllm_cpu
 
     return vllm_cpu.sources()
 
@@ -154,7 +144,6 @@ def rollout(vllm_sources, scaled, export, tmp_path_factory) -> dict:
     """Two rollout processes, run side by side: the example's environment (verl's GLM-5.2 patch on) with the export
     synced twice into one model, each broken export into a fresh model, and the reference; and the export once
     without verl's GLM-5.2 patch."""
-    from support import vllm_cpu
 
     from verl_npu.envfile import env_file_variables
 

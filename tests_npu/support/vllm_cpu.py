@@ -60,6 +60,18 @@ from pathlib import Path
 from support import pypi
 
 TESTS = Path(__file__).resolve().parent.parent
+# GLM-5.2's published config (examples/glm5_2/config.json) at small sizes, the model the vLLM runs build: layers 0-2
+# dense, 3-7 MoE (4 experts, top-2), the published indexer and MLP layer kinds
+SCALED_LAYERS = 8
+PUBLISHED_GLM5_2 = json.loads((TESTS.parent / "examples" / "glm5_2" / "config.json").read_text())
+SCALED_GLM5_2 = {
+    **{k: v for k, v in PUBLISHED_GLM5_2.items() if k not in ("architectures", "torch_dtype", "use_cache")},
+    "vocab_size": 128, "hidden_size": 64, "intermediate_size": 160, "moe_intermediate_size": 48,
+    "num_hidden_layers": SCALED_LAYERS, "num_attention_heads": 4, "num_key_value_heads": 4, "n_routed_experts": 4,
+    "num_experts_per_tok": 2, "q_lora_rank": 32, "kv_lora_rank": 16, "index_n_heads": 2, "index_topk": 32,
+    "max_position_embeddings": 128, "indexer_types": PUBLISHED_GLM5_2["indexer_types"][:SCALED_LAYERS],
+    "mlp_layer_types": PUBLISHED_GLM5_2["mlp_layer_types"][:SCALED_LAYERS],
+}  # fmt: skip
 
 # Packages vLLM 0.23.0, vllm-ascend 0.23.0 and verl's rollout modules import (at module level) that the dev venv does
 # not have, each pinned; installed without their dependencies beside (never into) the venv, whose packages come first.

@@ -6,8 +6,9 @@
 # Targets: a2 / a3 install the Ascend stack into the current Python 3.12 (the CANN images' Python)
 # and keep sources plus build-manifest.json under --prefix (default /opt/verl-npu); dev creates a
 # Python 3.12 virtual environment at --prefix (default ./.venv). Without --target the target is
-# detected: an Ascend node (npu-smi) gives a2 or a3, anything else gives dev.
+# $VERL_NPU_TARGET, else detected: an Ascend node (npu-smi) gives a2 or a3, anything else gives dev.
 # Every step is idempotent: a second run finds everything in place and changes nothing.
+# Exit: 0 installed (or planned); 1 a step failed; 2 a bad option or variable, nothing done.
 set -Eeuo pipefail
 
 REPO_ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
@@ -24,6 +25,10 @@ die() {
   printf '[install.sh] ERROR in step "%s": %s\n' "$STEP" "$*" >&2
   exit 1
 }
+bad_input() { # an option or variable install.sh cannot use: exit 2 before anything is touched (docs/errors.md)
+  printf '[install.sh] ERROR in step "%s": %s\n' "$STEP" "$*" >&2
+  exit 2
+}
 on_error() {
   local status=$1 line=$2
   printf '[install.sh] ERROR in step "%s": command at install.sh:%s exited with status %s\n' \
@@ -32,31 +37,67 @@ on_error() {
 trap 'on_error $? $LINENO' ERR
 
 usage() {
-  sed -n '2,10p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'
+  sed -n '2,11p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'
 }
 
+# A value given once and not empty: an empty `--target ''` or a second --target must not fall back to detection
+# or to the last one given.
+TARGET_GIVEN=0
+PREFIX_GIVEN=0
 while [[ $# -gt 0 ]]; do
   case "$1" in
-    --target) [[ $# -ge 2 ]] || die "--target needs a value (one of: $VALID_TARGETS)"; TARGET="$2"; shift 2 ;;
-    --target=*) TARGET="${1#--target=}"; shift ;;
-    --prefix) [[ $# -ge 2 ]] || die "--prefix needs a directory"; PREFIX="$2"; shift 2 ;;
-    --prefix=*) PREFIX="${1#--prefix=}"; shift ;;
+    --target | --target=*)
+      if [[ "$1" == --target ]]; then
+        [[ $# -ge 2 && "$2" != --* ]] || bad_input "--target needs a value (one of: $VALID_TARGETS)"
+        value="$2"; shift 2
+      else
+        value="${1#--target=}"; shift
+      fi
+      [[ "$TARGET_GIVEN" == 0 ]] || bad_input "--target is given twice ('$TARGET', then '$value'): give it once"
+      [[ -n "$value" ]] || bad_input "--target is empty; valid targets: $VALID_TARGETS (or leave --target out to detect it)"
+      TARGET="$value"; TARGET_GIVEN=1 ;;
+    --prefix | --prefix=*)
+      if [[ "$1" == --prefix ]]; then
+        [[ $# -ge 2 && "$2" != --* ]] || bad_input "--prefix needs a directory"
+        value="$2"; shift 2
+      else
+        value="${1#--prefix=}"; shift
+      fi
+      [[ "$PREFIX_GIVEN" == 0 ]] || bad_input "--prefix is given twice ('$PREFIX', then '$value'): give it once"
+      [[ -n "$value" ]] || bad_input "--prefix is empty; give a directory (or leave --prefix out for the target's default)"
+      PREFIX="$value"; PREFIX_GIVEN=1 ;;
     --dry-run) DRY_RUN=1; shift ;;
     --dev) DEV_TOOLS=1; shift ;;
     -h | --help) usage; exit 0 ;;
-    *) die "unknown argument '$1' (see: bash install.sh --help)" ;;
+    *) bad_input "unknown argument '$1' (see: bash install.sh --help)" ;;
   esac
 done
 
 # --- target and Python -------------------------------------------------------------------------
 
 STEP="detect target"
-if [[ -n "$TARGET" ]]; then
-  case " $VALID_TARGETS " in
-    *" $TARGET "*) ;;
-    *) die "unknown target '$TARGET'; valid targets: $VALID_TARGETS" ;;
-  esac
+is_target() { [[ " $VALID_TARGETS " == *" $1 "* && "$1" != *" "* ]]; } # exactly one of them, case and all
+if [[ -n "$TARGET" ]] && ! is_target "$TARGET"; then
+  bad_input "unknown target '$TARGET'; valid targets: $VALID_TARGETS"
 fi
+# The runtime layer checks the installed stack against $VERL_NPU_TARGET (verl_npu/megatron_adaptor.py), empty
+# meaning unset there as here. A value it would refuse stops the install now; a valid one is the target when
+# --target is not given. The images set it, so a --target that differs (a dev venv inside an a3 image) is allowed.
+ENV_TARGET="${VERL_NPU_TARGET:-}"
+if [[ -n "$ENV_TARGET" ]]; then
+  is_target "$ENV_TARGET" || bad_input "VERL_NPU_TARGET='$ENV_TARGET' is not a target; valid targets: $VALID_TARGETS (lower case), or unset it"
+  if [[ -z "$TARGET" ]]; then
+    TARGET="$ENV_TARGET"
+    log "no --target given; target from VERL_NPU_TARGET: $TARGET"
+  elif [[ "$TARGET" != "$ENV_TARGET" ]]; then
+    warn "--target $TARGET differs from VERL_NPU_TARGET=$ENV_TARGET: with that variable set, the runtime layer checks the installed stack against $ENV_TARGET"
+  fi
+fi
+# The digits are spelled out: a range such as [0-9] follows the locale's collation, where it may match more
+# than the ten ASCII digits that `timeout` reads.
+DETECT_TIMEOUT_S="${VERL_NPU_DETECT_TIMEOUT_S:-120}"
+[[ "$DETECT_TIMEOUT_S" =~ ^[123456789][0123456789]{0,4}$ ]] ||
+  bad_input "VERL_NPU_DETECT_TIMEOUT_S='$DETECT_TIMEOUT_S' is not a whole number of seconds from 1 to 99999 (ASCII digits)"
 
 STEP="find Python"
 # The manifest's Python version; read with a regex so that no Python is needed to find Python.
@@ -90,9 +131,6 @@ STEP="detect target"
 # One detector for install.sh, doctor and the runtime (verl_npu/stack/detect.py, standard library only).
 # npu-smi is bounded inside (30 s, $VERL_NPU_PROBE_TIMEOUT_S); `timeout` bounds the whole detection as well, for
 # a driver call that not even a killed process returns from.
-DETECT_TIMEOUT_S="${VERL_NPU_DETECT_TIMEOUT_S:-120}"
-[[ "$DETECT_TIMEOUT_S" =~ ^[1-9][0-9]{0,4}$ ]] ||
-  die "VERL_NPU_DETECT_TIMEOUT_S='$DETECT_TIMEOUT_S' is not a whole number of seconds from 1 to 99999"
 if [[ -z "$TARGET" ]]; then
   BOUND=()
   if command -v timeout >/dev/null 2>&1; then
@@ -102,7 +140,9 @@ if [[ -z "$TARGET" ]]; then
   fi
   detect_status=0
   TARGET="$(cd "$REPO_ROOT" && "${BOUND[@]}" "$BASE_PYTHON" -m verl_npu.stack detect-target)" || detect_status=$?
-  if [[ "$detect_status" == 124 || "$detect_status" == 137 ]]; then
+  if [[ "$detect_status" == 2 ]]; then # a bad variable of the detection (VERL_NPU_PROBE_TIMEOUT_S), named above
+    bad_input "the target detection refused its settings (message above); fix them, or pass --target (one of: $VALID_TARGETS)"
+  elif [[ "$detect_status" == 124 || "$detect_status" == 137 ]]; then
     die "the target detection (npu-smi info) did not finish within ${DETECT_TIMEOUT_S} s and was stopped: the NPU driver does not answer (check 'npu-smi info' and dmesg); pass --target (one of: $VALID_TARGETS)"
   elif [[ "$detect_status" != 0 ]]; then
     die "the target could not be detected (message above); pass --target (one of: $VALID_TARGETS)"

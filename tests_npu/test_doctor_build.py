@@ -113,3 +113,22 @@ def test_the_unverified_hint_names_stack_toml_where_it_is(tmp_path: Path) -> Non
     fix = only(findings, "build-manifest.unverified").fix
     named = fix.rsplit(" in ", 1)[1]
     assert named == "verl_npu/stack/stack.toml" and (REPO_ROOT / named).resolve() == STACK.path.resolve()
+
+
+def test_a_build_manifest_that_is_not_a_regular_file_is_refused_at_once(tmp_path: Path) -> None:
+    """VERL_NPU_BUILD_MANIFEST naming a FIFO hung doctor; /dev/zero ran the reader out of memory."""
+    import os
+
+    fifo = tmp_path / "manifest.fifo"
+    os.mkfifo(fifo)
+    for path, kind in ((fifo, "a FIFO"), (Path("/dev/zero"), "a character device"), (tmp_path, "a directory")):
+        with pytest.raises(build_manifest.BuildManifestError, match=f"cannot read the build manifest: .*{kind}"):
+            build_manifest.read(path)
+    assert build_manifest._main(["verify", "--target", "a3", "--path", "/dev/zero"]) == 1
+
+
+def test_a_build_manifest_with_a_key_twice_is_refused(tmp_path: Path) -> None:
+    path = tmp_path / "build-manifest.json"
+    path.write_text('{"target": "a2", "target": "a3", "versions": {}, "git": {}}')
+    with pytest.raises(build_manifest.BuildManifestError, match="'target' appears twice"):
+        build_manifest.read(path)

@@ -135,9 +135,11 @@ def test_the_probes_time_limit_is_configurable_and_ends_a_probe_that_takes_longe
     assert layer.LAYER_TIMEOUT_VARIABLE in finding.fix
 
 
-@pytest.mark.parametrize("args", [["--timeout"], ["--timeout", "x"], ["--timeout", "-3"], ["--timeout", "inf"]])
+@pytest.mark.parametrize(
+    "args", [["--timeout"], ["--timeout", "x"], ["--timeout", "-3"], ["--timeout", "inf"], ["--timeout", "١٦"]]
+)
 def test_the_probe_refuses_a_bad_timeout_by_name_before_importing_verl(capsys, args):
     assert layer_probe.main(args) == 2
     given = args[1] if len(args) > 1 else "nothing"
     said = capsys.readouterr().err.strip()
-    assert said == f"verl_npu.layer_probe: --timeout={given!r}: expected a number of seconds > 0"
+    assert said == f"verl_npu.layer_probe: --timeout={given!r}: expected a finite number > 0 (seconds)"

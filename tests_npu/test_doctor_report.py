@@ -354,4 +354,4 @@ def test_doctor_expect_npus_fails_on_this_cpu_machine(tmp_path):
     assert done.returncode == 1
     assert '"check": "platform.expected-npus"' in done.stdout
     bad = verl_npu("doctor", "--no-layer", "--expect-npus", "0")
-    assert bad.returncode == 2 and "'0' is not a positive integer" in bad.stderr
+    assert bad.returncode == 2 and "--expect-npus=0: expected an integer from 1 to 1048576" in bad.stderr

@@ -752,3 +752,74 @@ def test_build_requires_lists_the_checkouts_build_system_or_says_what_is_wrong(t
     else:
         assert done.returncode == 2 and done.stderr.startswith(f"error: {path}: "), done.stderr
         assert expected in done.stderr
+
+
+# --- issue 29: a bad option or variable is exit 2, never a silent fallback ------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--target", ""], "--target is empty; valid targets: a2 a3 dev"),
+        (["--target="], "--target is empty; valid targets: a2 a3 dev"),
+        (["--target", "A3"], "unknown target 'A3'; valid targets: a2 a3 dev"),
+        (["--target=a3 "], "unknown target 'a3 '; valid targets: a2 a3 dev"),
+        (["--target", "a2 a3"], "unknown target 'a2 a3'; valid targets: a2 a3 dev"),
+        (["--target", "a2", "--target=a3"], "--target is given twice ('a2', then 'a3'): give it once"),
+        (["--prefix", ""], "--prefix is empty; give a directory"),
+        (["--prefix=/tmp/a", "--prefix", "/tmp/b"], "--prefix is given twice ('/tmp/a', then '/tmp/b')"),
+        (["--prefx", "/tmp/x"], "unknown argument '--prefx'"),
+        (["--target"], "--target needs a value (one of: a2 a3 dev)"),
+        (["--prefix", "--dev"], "--prefix needs a directory"),
+    ],
+)
+def test_a_bad_option_is_exit_2_naming_it_before_anything(tmp_path, args, message):
+    """`--target ''` used to fall back to detection, and a second --target to win silently."""
+    bin_dir = install_npu_smi(tmp_path / "npu-bin", A3_CAPTURE)  # a detection would answer a3: it must not run
+    done = run_install(*args, "--dry-run", env={"PATH": f"{bin_dir}:{os.environ['PATH']}"})
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert message in done.stderr and "detected target" not in done.stdout
+    assert "plan for target" not in done.stdout
+
+
+@pytest.mark.parametrize("value", ["A3", "a3 ", "Dev", "a4", "\uff41\uff13"])
+def test_verl_npu_target_that_the_runtime_would_refuse_is_exit_2(tmp_path, value):
+    """VERL_NPU_TARGET=A3 used to be ignored for detection; the runtime layer then refuses it at `import verl`."""
+    done = run_install("--dry-run", "--prefix", str(tmp_path / "p"), env={"VERL_NPU_TARGET": value})
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert f"VERL_NPU_TARGET='{value}' is not a target; valid targets: a2 a3 dev (lower case), or unset it" in (
+        done.stderr
+    )
+    assert "plan for target" not in done.stdout
+
+
+def test_verl_npu_target_is_the_target_without_an_option_and_empty_means_unset(tmp_path):
+    bin_dir = install_npu_smi(tmp_path / "npu-bin", A2_CAPTURE)  # detection would say a2
+    path = {"PATH": f"{bin_dir}:{os.environ['PATH']}"}
+    done = run_install("--dry-run", "--prefix", str(tmp_path / "p"), env={**path, "VERL_NPU_TARGET": "a3"})
+    assert done.returncode == 0, done.stderr
+    assert "no --target given; target from VERL_NPU_TARGET: a3" in done.stdout and "plan for target 'a3'" in done.stdout
+    done = run_install("--dry-run", "--prefix", str(tmp_path / "p"), env={**path, "VERL_NPU_TARGET": ""})
+    assert done.returncode == 0, done.stderr
+    assert "no --target given; detected target: a2" in done.stdout
+    done = run_install("--target", "a2", "--dry-run", "--prefix", str(tmp_path / "p"), env={"VERL_NPU_TARGET": "a3"})
+    assert done.returncode == 0, done.stderr
+    assert "--target a2 differs from VERL_NPU_TARGET=a3" in done.stderr and "plan for target 'a2'" in done.stdout
+
+
+@pytest.mark.parametrize("value", ["\u0661\u0662\u0660", "\uff11\uff12\uff10", "\u00b2", "1_0", "0", "120 ", "0x10"])
+def test_the_detection_timeout_takes_ascii_seconds_only(tmp_path, value):
+    """Under a UTF-8 locale too: install.sh's test spells out its digits rather than trusting a [0-9] range."""
+    env = {"VERL_NPU_DETECT_TIMEOUT_S": value, "LC_ALL": "C.UTF-8"}
+    done = run_install("--dry-run", "--prefix", str(tmp_path / "p"), env=env)
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert f"VERL_NPU_DETECT_TIMEOUT_S='{value}' is not a whole number of seconds from 1 to 99999" in done.stderr
+
+
+def test_a_bad_probe_timeout_during_detection_is_exit_2(tmp_path):
+    bin_dir = install_npu_smi(tmp_path / "npu-bin", A3_CAPTURE)
+    env = {"PATH": f"{bin_dir}:{os.environ['PATH']}", "VERL_NPU_PROBE_TIMEOUT_S": "\u0663\u0660"}
+    done = run_install("--dry-run", "--prefix", str(tmp_path / "p"), env=env)
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert "VERL_NPU_PROBE_TIMEOUT_S='\u0663\u0660': expected a finite number" in done.stderr
+    assert "the target detection refused its settings (message above)" in done.stderr

@@ -171,6 +171,14 @@ def test_submit_ends_when_the_rayjob_is_gone_or_the_wait_runs_out(kubectl, tmp_p
     )
 
 
+@pytest.mark.parametrize(("setting", "value"), [("WAIT_S", "١٦"), ("WAIT_S", "0"), ("WAIT_S", "1e3"), ("POLL_S", "-1"),
+                                                ("POLL_S", "\uff13"), ("POLL_S", "1;2")])  # fmt: skip
+def test_submit_refuses_a_bad_wait_before_creating_anything(kubectl, tmp_path, setting, value):
+    done = submit(kubectl, tmp_path, ["Running"], **{setting: value})
+    assert done.returncode == 2 and f"submit_rayjob.sh: {setting}='{value}': expected" in done.stderr
+    assert calls(kubectl) == []
+
+
 def test_submit_fails_a_failed_job_and_refuses_a_claim_that_is_not_read_write_many(kubectl, tmp_path):
     assert submit(kubectl, tmp_path, ["Running", "Failed/AppFailed"]).returncode == 1
     (kubectl / "modes").write_text('["ReadWriteOnce"]\n')

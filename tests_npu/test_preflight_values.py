@@ -376,3 +376,16 @@ def test_the_json_report_is_written_whole(tmp_path):
     report = PreflightReport("<overrides>", "a3", [Check("x.y", OK, "fine")], [])
     write_json(report, path)
     assert json.loads(path.read_text())["verdict"] == "go" and [p.name for p in tmp_path.iterdir()] == ["r.json"]
+
+
+def test_a_null_that_verls_validation_computes_with_is_named_not_pythons_type_error(tmp_path):
+    """verl's validate_config multiplies a null micro-batch size: the report named Python's NoneType, not the key."""
+    (tmp_path / "tiny.json").write_text(json.dumps(TINY))
+    micro = "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu"
+    overrides = [o for o in OVERRIDES if not o.startswith(f"{micro}=")] + [f"{micro}=null"]
+    report = run_preflight(None, overrides, model_config=str(tmp_path / "tiny.json"))
+    assert report.verdict == "no-go"
+    assert not [c for c in report.checks if "NoneType" in c.detail]
+    assert [c.detail for c in report.checks if c.check == "config.value"] == [
+        f"{micro} is not set (null), and verl validate_config computes with it: set {micro}=N in the launch"
+    ]

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import re
+import stat
 import subprocess
 import tarfile
 from pathlib import Path
@@ -124,3 +125,24 @@ def test_fetch_of_a_commit_the_server_lacks_fails_naming_it_and_leaves_nothing(m
 def test_the_fetch_command_names_a_destination_that_is_not_a_directory(tmp_path, capsys):
     assert main(["upstream", "fetch", "mindspeed", "--dest", str(tmp_path / "absent")]) == 2
     assert f"--dest {tmp_path / 'absent'}: not a directory" in capsys.readouterr().err
+
+
+def test_fetch_never_replaces_what_is_not_a_regular_file_at_the_archives_name(mirror, tmp_path):
+    repo, commit = mirror
+    stack = _with_mindspeed(url=repo.as_uri(), commit=commit)
+    dest = tmp_path / "dest"
+    dest.mkdir()
+    fifo = dest / f"MindSpeed-{commit}.tar.gz"
+    os.mkfifo(fifo)
+    with pytest.raises(upstream.UpstreamSourceError, match=f"{fifo.name}: it is a FIFO"):
+        upstream.fetch_mindspeed(dest, stack)
+    assert stat.S_ISFIFO(os.lstat(fifo).st_mode)
+    with pytest.raises(upstream.UpstreamSourceError, match="not a directory and not a regular file"):
+        upstream.unpacked(fifo, tmp_path / "cache")  # tarfile.is_tarfile would block opening it
+    fifo.unlink()
+    kept = tmp_path / "archives" / "kept.tar.gz"  # a link into another directory is written through
+    kept.parent.mkdir()
+    kept.write_bytes(b"old")
+    fifo.symlink_to(kept)
+    upstream.fetch_mindspeed(dest, stack)
+    assert fifo.is_symlink() and tarfile.is_tarfile(kept)

@@ -9,6 +9,7 @@ Standard library only.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import stat
 from pathlib import Path
@@ -28,13 +29,21 @@ def read_bytes(path: str | os.PathLike[str], limit: int) -> bytes:
     try:
         fd = os.open(name, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_NOCTTY", 0))
     except OSError as exc:
+        mode = stat.S_IFREG
+        with contextlib.suppress(OSError):  # a socket cannot be opened at all: name what it is
+            mode = os.stat(name).st_mode
+        if not stat.S_ISREG(mode) and not stat.S_ISDIR(mode):
+            raise NotReadable(f"not a regular file but {file_kind(mode)}") from None
         raise NotReadable(exc.strerror or str(exc)) from None
     except ValueError as exc:  # a path the OS cannot take at all
         raise NotReadable(str(exc)) from None
     try:
         info = os.fstat(fd)
         if not stat.S_ISREG(info.st_mode):
-            raise NotReadable("not a regular file (a pipe, device or terminal is never read: it may block)")
+            raise NotReadable(
+                f"not a regular file but {file_kind(info.st_mode)} (a pipe, device or terminal is never read: it may "
+                "block)"
+            )
         if info.st_size > limit:
             raise NotReadable(f"larger than {_size(limit)} ({info.st_size} bytes)")
         chunks, total = [], 0
@@ -50,6 +59,19 @@ def read_bytes(path: str | os.PathLike[str], limit: int) -> bytes:
         raise NotReadable(exc.strerror or str(exc)) from None
     finally:
         os.close(fd)
+
+
+def file_kind(mode: int) -> str:
+    """What a file of ``mode`` is, for a message: "a directory", "a FIFO", ..."""
+    kinds = (
+        (stat.S_ISDIR, "a directory"),
+        (stat.S_ISFIFO, "a FIFO"),
+        (stat.S_ISCHR, "a character device"),
+        (stat.S_ISBLK, "a block device"),
+        (stat.S_ISSOCK, "a socket"),
+        (stat.S_ISREG, "a regular file"),
+    )
+    return next((name for test, name in kinds if test(mode)), "a special file")
 
 
 def read_text(path: str | os.PathLike[str], limit: int) -> str:

@@ -61,6 +61,17 @@ def cmd_versions(args: argparse.Namespace) -> int:
 
 
 def cmd_doctor(args: argparse.Namespace) -> int:
+    from verl_npu.doctor.rules.platform import expected_npus
+
+    # the options first, before any probing: a bad one is exit 2 naming the option, not the variable it replaces
+    expect_npus = expected_npus("--expect-npus", args.expect_npus) if args.expect_npus is not None else None
+    if args.report not in (None, "-"):
+        from verl_npu import atomic
+
+        why = atomic.output_problem(args.report)
+        if why is not None:
+            print(f"verl-npu doctor: --report {args.report}: {why}", file=sys.stderr)
+            return 2
     from verl_npu import doctor
 
     probe = doctor.Probe.current()
@@ -69,12 +80,7 @@ def cmd_doctor(args: argparse.Namespace) -> int:
         probe.meta_path = []
     if args.build_manifest:
         probe.build_manifest_path = Path(args.build_manifest)
-    if args.expect_npus is not None:
-        probe.env[doctor.EXPECT_NPUS_ENV] = str(args.expect_npus)
-    if args.report not in (None, "-") and not Path(args.report).parent.is_dir():
-        print(f"verl-npu doctor: --report {args.report}: directory {Path(args.report).parent} does not exist",
-              file=sys.stderr)  # fmt: skip
-        return 2
+    probe.expect_npus = expect_npus
     layer = not args.no_layer and not args.site_packages  # the layer probe runs this interpreter
     stack = load_stack(args.manifest)
     report = doctor.diagnose(probe, stack, layer=layer, ray=not args.no_ray, target=args.target)
@@ -178,6 +184,9 @@ def cmd_preflight(args: argparse.Namespace) -> int:
     if plot_path is not None:
         try:
             plot(report, plot_path)
+        except UserError as exc:  # atomic.OutputPathError: the path changed kind after the pre-check
+            print(f"verl-npu preflight: --plot: {exc}", file=sys.stderr)
+            return 2
         except ValueError as exc:
             print(f"verl-npu preflight: --plot: {exc}", file=sys.stderr)
     return 0 if report.verdict == "go" else 1
@@ -188,7 +197,7 @@ def cmd_ci_compare(args: argparse.Namespace) -> int:
     from verl_npu.ci import compare as cmp
 
     if args.json and not args.update:  # checked before any work: a gate must not lose its report at the end
-        why = atomic.writable_directory(args.json)
+        why = atomic.output_problem(args.json)
         if why is not None:
             print(f"verl-npu ci compare: --json {args.json}: {why}", file=sys.stderr)
             return 2
@@ -253,26 +262,22 @@ def cmd_contracts_list(args: argparse.Namespace) -> int:
 
 
 def cmd_contracts_verify(args: argparse.Namespace) -> int:
-    from verl_npu import contracts
-    from verl_npu.contracts.verify import sources_for, verify
+    from verl_npu import atomic, contracts
+    from verl_npu.contracts.verify import source_overrides, sources_for, verify
 
-    overrides = {}
-    for item in args.source or []:
-        name, sep, directory = item.partition("=")
-        if not sep or name not in contracts.COMPONENTS:
-            print(
-                f"verl-npu contracts verify: --source {item!r}: expected NAME=DIR with NAME one of "
-                f"{', '.join(contracts.COMPONENTS)}",
-                file=sys.stderr,
-            )
-            return 2
-        overrides[name] = Path(directory)
+    # every option before any verifying: a wrong --source is bad input (exit 2), not "0 of N contracts hold"
     unknown = [name for name in args.component or () if name not in contracts.COMPONENTS]
     if unknown:
         print(f"verl-npu contracts verify: --component {', '.join(unknown)}: expected one of "
               f"{', '.join(contracts.COMPONENTS)}", file=sys.stderr)  # fmt: skip
         return 2
-    components = args.component or list(contracts.COMPONENTS)
+    components = list(dict.fromkeys(args.component or contracts.COMPONENTS))
+    overrides = source_overrides(args.source or [], contracts.ALL, components)
+    if args.json not in (None, "-"):
+        why = atomic.output_problem(args.json)
+        if why is not None:
+            print(f"verl-npu contracts verify: --json {args.json}: {why}", file=sys.stderr)
+            return 2
     sources = sources_for(overrides, components)
     results = verify(contracts.ALL, sources, components=components)
     # what only running MindSpeed shows, wherever it is installed (not for a --source tree, which cannot be imported)
@@ -296,7 +301,7 @@ def cmd_contracts_verify(args: argparse.Namespace) -> int:
         console.print(table)
         console.print(f"{len(rows) - len(failed)} of {len(rows)} contracts hold")
         if args.json:
-            Path(args.json).write_text(json.dumps(rows, indent=2) + "\n")
+            atomic.write_text(args.json, json.dumps(rows, indent=2) + "\n")  # an OSError: exit 2 (main)
     return 1 if failed else 0
 
 
@@ -337,12 +342,6 @@ def cmd_upstream_fetch(args: argparse.Namespace) -> int:
     return 0
 
 
-def _positive_int(text: str) -> int:
-    if not text.strip().isdigit() or int(text) < 1:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a positive integer")
-    return int(text)
-
-
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="verl-npu", description="verl-npu: the Ascend NPU distribution of verl")
     parser.add_argument("--manifest", default=str(MANIFEST_PATH), help=argparse.SUPPRESS)
@@ -376,7 +375,6 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-ray", action="store_true", help="check the layer in a process but not in a Ray worker")
     p.add_argument(
         "--expect-npus",
-        type=_positive_int,
         metavar="N",
         help="fail unless this node has N NPUs (default: $VERL_NPU_EXPECT_NPUS; CI jobs on NPU runners set it)",
     )

@@ -14,6 +14,7 @@ shell words carry text.
 
 from __future__ import annotations
 
+import json
 import math
 import re
 from collections.abc import Collection, Mapping
@@ -33,8 +34,11 @@ MAX_EXPERTS = 1 << 14
 MAX_HEADS = 1 << 14
 MAX_GIB = float(1 << 20)  # memory in GiB (a PiB)
 
+# ASCII only, as bash, Kubernetes and every tool a value reaches read it: Python's int() and float() also take
+# Arabic-Indic or full-width digits, '1_6' and non-ASCII spaces, which would turn '١٦' into 16 here alone.
 _DECIMAL = re.compile(r"[+-]?[0-9]+")
 _NUMBER = re.compile(r"[+-]?(?:[0-9]+\.?[0-9]*|\.[0-9]+)(?:[eE][+-]?[0-9]+)?")
+_ASCII_SPACE = " \t\n\r\f\v"  # str.strip() alone also strips U+3000 and U+00A0
 
 
 class InputError(UserError):
@@ -45,6 +49,29 @@ class InputError(UserError):
         shown = _show(value)
         where = f"{source}: " if source else ""
         super().__init__(f"{where}{key}={shown}: expected {allowed}")
+
+
+class DuplicateKey(ValueError):
+    """A key given twice in one JSON object: ``json.loads`` would keep the second value without a word."""
+
+    def __init__(self, key: str) -> None:
+        self.key = key
+        super().__init__(f"key {key[:80]!r} appears twice in one object (a reader keeps one of the two values; "
+                         "keep the one you mean)")  # fmt: skip
+
+
+def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    obj: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in obj:
+            raise DuplicateKey(key)
+        obj[key] = value
+    return obj
+
+
+def loads_json(text: str) -> Any:
+    """``json.loads`` that raises :class:`DuplicateKey` (a ValueError) for a key given twice in one object."""
+    return json.loads(text, object_pairs_hook=_unique_keys)
 
 
 def _show(value: object) -> str:
@@ -75,8 +102,8 @@ def integer(key: str, value: Any, *, minimum: int | None = None, maximum: int | 
     allowed = " ".join(filter(None, ("an integer", _range(minimum, maximum))))
     if isinstance(value, bool):
         raise InputError(key, value, allowed, source=source)
-    if isinstance(value, str) and _DECIMAL.fullmatch(value.strip()) and len(value) <= 40:
-        value = int(value.strip())
+    if isinstance(value, str) and _DECIMAL.fullmatch(value.strip(_ASCII_SPACE)) and len(value) <= 40:
+        value = int(value.strip(_ASCII_SPACE))
     if not isinstance(value, int):
         raise InputError(key, value, allowed, source=source)
     if (minimum is not None and value < minimum) or (maximum is not None and value > maximum):
@@ -92,8 +119,8 @@ def number(key: str, value: Any, *, minimum: float | None = None, maximum: float
     given = value  # the message shows what was given ('0'), not its conversion (0.0)
     if isinstance(value, bool):
         raise InputError(key, given, allowed, source=source)
-    if isinstance(value, str) and _NUMBER.fullmatch(value.strip()) and len(value) <= 40:
-        value = float(value.strip())
+    if isinstance(value, str) and _NUMBER.fullmatch(value.strip(_ASCII_SPACE)) and len(value) <= 40:
+        value = float(value.strip(_ASCII_SPACE))
     if not isinstance(value, (int, float)):
         raise InputError(key, given, allowed, source=source)
     try:

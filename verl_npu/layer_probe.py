@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import math
 import os
 import sys
 import time
@@ -95,13 +94,12 @@ def _timeout(argv: list[str]) -> float:
     if "--timeout" not in argv:
         return DEFAULT_TIMEOUT_S
     given = (argv[argv.index("--timeout") + 1 :] or ["nothing"])[0]
+    from verl_npu import inputs
+
     try:
-        value = float(given)
-    except ValueError:
-        value = math.nan
-    if not (math.isfinite(value) and value > 0):
-        raise ValueError(f"verl_npu.layer_probe: --timeout={given!r}: expected a number of seconds > 0")
-    return value
+        return inputs.number("--timeout", given, above=0)  # ASCII digits only, as every numeric option
+    except inputs.InputError as exc:
+        raise ValueError(f"verl_npu.layer_probe: {exc} (seconds)") from None
 
 
 def main(argv: list[str]) -> int:

@@ -12,12 +12,13 @@ from __future__ import annotations
 import hashlib
 import os
 import shutil
+import stat
 import tarfile
 import tempfile
 from collections.abc import Mapping
 from pathlib import Path
 
-from verl_npu import processes
+from verl_npu import atomic, processes
 from verl_npu.errors import UserError
 from verl_npu.stack.manifest import REPO_ROOT, Stack, load_stack
 
@@ -80,6 +81,8 @@ def unpacked(source: Path, cache: Path) -> Path:
     source = Path(source)
     if source.is_dir():
         return _tree_root(source, source)
+    if source.exists() and not stat.S_ISREG(source.stat().st_mode):  # is_tarfile would open a FIFO and block
+        raise UpstreamSourceError(f"{source}: not a directory and not a regular file (a tar archive)")
     if not tarfile.is_tarfile(source):
         raise UpstreamSourceError(f"{source}: not a directory and not a tar archive")
     target = Path(cache) / f"{source.name.removesuffix('.tar.gz')}-{_sha256(source)[:16]}"
@@ -152,6 +155,9 @@ def fetch_mindspeed(dest: Path, stack: Stack | None = None) -> Path:
     if not dest.is_dir():
         raise UpstreamSourceError(f"--dest {dest}: not a directory")
     archive = dest / archive_name(component.commit)
+    why = atomic.output_problem(archive)  # before the fetch: a FIFO or device at the name is never replaced
+    if why is not None:
+        raise UpstreamSourceError(f"--dest {dest}: {archive.name}: {why}")
     with tempfile.TemporaryDirectory(prefix="verl-npu-mindspeed-") as scratch:
         work = Path(scratch) / "MindSpeed"
         work.mkdir()
@@ -169,11 +175,12 @@ def fetch_mindspeed(dest: Path, stack: Stack | None = None) -> Path:
         head = _git(work, "rev-parse", "HEAD").stdout.strip()
         if head != component.commit:
             raise UpstreamSourceError(f"{component.url} gave commit {head or '(none)'}, the pin is {component.commit}")
-        partial = dest / f".{archive.name}.{os.getpid()}.part"
-        done = _git(work, "archive", "--format=tar.gz", f"--prefix=MindSpeed-{component.commit[:7]}/", "-o",
-                    str(partial), "HEAD")  # fmt: skip
-        if not done.ok:
-            partial.unlink(missing_ok=True)
-            raise UpstreamSourceError(f"git archive of MindSpeed {component.commit} failed: {done.describe()}")
-        partial.replace(archive)
+
+        def write_archive(temporary: Path) -> None:
+            done = _git(work, "archive", "--format=tar.gz", f"--prefix=MindSpeed-{component.commit[:7]}/", "-o",
+                        str(temporary), "HEAD")  # fmt: skip
+            if not done.ok:
+                raise UpstreamSourceError(f"git archive of MindSpeed {component.commit} failed: {done.describe()}")
+
+        atomic.write_with(archive, write_archive)  # an interrupted fetch leaves nothing under the archive's name
     return archive

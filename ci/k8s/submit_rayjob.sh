@@ -20,6 +20,15 @@ NAME="${2:?usage: submit_rayjob.sh MANIFEST NAME OUT_DIR}"
 OUT="${3:?usage: submit_rayjob.sh MANIFEST NAME OUT_DIR}"
 WAIT_S="${WAIT_S:-11700}"
 POLL_S="${POLL_S:-30}"
+# checked before anything is applied; digits spelled out: [0-9] may match other scripts' digits in a UTF-8 locale
+[[ "$WAIT_S" =~ ^[123456789][0123456789]{0,6}$ ]] || {
+  echo "submit_rayjob.sh: WAIT_S='$WAIT_S': expected a whole number of seconds from 1 to 9999999 (ASCII digits)" >&2
+  exit 2
+}
+[[ "$POLL_S" =~ ^[0123456789]{1,4}(\.[0123456789]{1,3})?$ ]] || {
+  echo "submit_rayjob.sh: POLL_S='$POLL_S': expected seconds between polls, such as 30 or 0.5 (ASCII digits)" >&2
+  exit 2
+}
 [[ -f "$MANIFEST" ]] || { echo "submit_rayjob.sh: no manifest $MANIFEST (render it with verl-npu k8s render rayjob)" >&2; exit 2; }
 for tool in kubectl python3; do
   command -v "$tool" >/dev/null || {

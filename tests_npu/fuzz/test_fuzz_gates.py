@@ -4,6 +4,10 @@ Properties:
 - ci compare: never a traceback (exit 0, 1 or 2 only: the ``run_cli`` fixture), and never a pass (exit 0 or 1)
   when a baseline value or limit is not a finite number, a field is missing, or a window value is not finite
   or not there;
+- the gates never choose one of two values (issue 29): a step repeated with another value anywhere in a log, a
+  JSON step that is not a JSON integer, an unknown key at any level of a baseline, a key twice in any JSON object
+  of a baseline: never exit 0 (nor 1: nothing is judged); a step repeated with its same values reads as once;
+  ``--update`` writes an ``--image`` / ``--commit`` only when it is one line of printable text, else nothing;
 - npu-smi: any bytes npu-smi may print, and any way it may fail, read without an exception; the platform is an
   Ascend chip only when an NPU table was read, and output without one is never "ok";
 - the manifest: a mutated copy of verl_npu/stack/stack.toml loads, or raises StackError; so do the install plan
@@ -72,7 +76,7 @@ def baselines(draw):
         bad |= kind not in ("absolute", "relative")
         amounts = draw(st.lists(st.sampled_from(["max_increase", "max_decrease", "tolerance"]), max_size=3,
                                 unique=True))  # fmt: skip
-        bad |= not amounts
+        bad |= not amounts or ("tolerance" in amounts and len(amounts) > 1)  # tolerance and a bound: which one?
         for key in amounts:
             amount = draw(st.one_of(st.floats(0, 0.5), ANY_VALUE))
             bad |= _bad_number(amount)
@@ -209,6 +213,151 @@ def test_ci_compare_never_passes_a_window_with_a_non_finite_or_missing_value(run
         code, out, err = run_cli("ci", "compare", str(log), str(path))
     if bad:
         assert code == 2, (values, garbage, out, err)
+
+
+# --- the gates never choose one of two values (issue 29) --------------------------------------------------------
+def _write_log(path: Path, records: list[tuple[object, dict[str, float]]], jsonl: bool) -> None:
+    if jsonl:
+        lines = [json.dumps({"step": step, "data": row}) for step, row in records]
+    else:
+        lines = [f"step:{step} - " + " - ".join(f"{k}:{v!r}" for k, v in row.items()) for step, row in records]
+    path.write_text("\n".join(lines) + "\n")
+
+
+def _baseline(path: Path) -> None:
+    limits = {"kind": "relative", "tolerance": 0.5}
+    metrics = {m: {"value": GOOD_VALUE[m], "limit": limits} for m in METRICS}
+    path.write_text(json.dumps({"job": "j", "window": {"first_step": 5, "last_step": 14}, "metrics": metrics}))
+
+
+def _gate(run_cli, records, jsonl: bool) -> tuple[int, str]:
+    with tempfile.TemporaryDirectory() as tmp:
+        log, path = Path(tmp) / "t.log", Path(tmp) / "b.json"
+        _write_log(log, records, jsonl)
+        _baseline(path)
+        code, _, err = run_cli("ci", "compare", str(log), str(path))
+    return code, err
+
+
+def _clean_records(steps: int = 15) -> list[tuple[object, dict[str, float]]]:
+    return [(s, dict(GOOD_VALUE)) for s in range(1, steps + 1)]
+
+
+@given(st.integers(1, 15), st.integers(0, 15), st.sampled_from(METRICS), st.floats(0.5, 2.0).filter(lambda f: f != 1),
+       st.booleans())  # fmt: skip
+def test_a_step_given_again_with_another_value_anywhere_is_never_judged(run_cli, step, at, metric, factor, jsonl):
+    records = _clean_records()
+    again = dict(GOOD_VALUE)
+    again[metric] *= factor
+    records.insert(at, (step, again))
+    code, err = _gate(run_cli, records, jsonl)
+    assert code == 2 and f"step {step} gives {metric!r} two values" in err, err
+
+
+@given(st.integers(1, 15), st.integers(0, 15), st.booleans())
+def test_a_step_given_again_with_the_same_values_reads_as_once(step, at, jsonl):
+    records = _clean_records()
+    records.insert(at, (step, dict(GOOD_VALUE)))
+    with tempfile.TemporaryDirectory() as tmp:
+        log, clean = Path(tmp) / "t.log", Path(tmp) / "clean.log"
+        _write_log(log, records, jsonl)
+        _write_log(clean, _clean_records(), jsonl)
+        assert cmp.read_log(log) == cmp.read_log(clean)
+
+
+NOT_A_JSON_INTEGER = st.one_of(
+    st.integers(1, 15).map(str), st.integers(1, 15).map(float), st.booleans(), st.none(),
+    st.floats(allow_nan=False, allow_infinity=False), st.lists(st.integers(1, 15), max_size=2),
+    st.text(max_size=5), st.dictionaries(st.text(max_size=3), st.integers(), max_size=1),
+)  # fmt: skip
+
+
+@given(st.integers(0, 14), NOT_A_JSON_INTEGER)
+def test_a_jsonl_step_that_is_not_a_json_integer_is_never_judged(run_cli, line, step):
+    records = _clean_records()
+    records[line] = (step, records[line][1])
+    code, err = _gate(run_cli, records, jsonl=True)
+    assert code == 2 and f":{line + 1}: step=" in err, err
+
+
+BASELINE_LEVELS = {  # where in a baseline, and the keys allowed there
+    (): cmp.BASELINE_KEYS,
+    ("window",): cmp.WINDOW_KEYS,
+    ("metrics", METRICS[0]): cmp.METRIC_KEYS,
+    ("metrics", METRICS[0], "limit"): ("kind", *cmp.LIMIT_KEYS),
+    ("guards", METRICS[0]): cmp.GUARD_KEYS,
+}
+
+
+def _good_baseline() -> dict:
+    limits = {"kind": "relative", "tolerance": 0.5}
+    return {
+        "job": "j", "window": {"first_step": 5, "last_step": 14},
+        "metrics": {m: {"value": GOOD_VALUE[m], "limit": dict(limits)} for m in METRICS},
+        "guards": {METRICS[0]: {"step": 1, "min": 0.0}},
+    }  # fmt: skip
+
+
+def _compare_text(run_cli, text: str) -> tuple[int, str, str]:
+    with tempfile.TemporaryDirectory() as tmp:
+        log, path = Path(tmp) / "t.log", Path(tmp) / "b.json"
+        _write_log(log, _clean_records(), jsonl=False)
+        path.write_text(text)
+        code, _, err = run_cli("ci", "compare", str(log), str(path))
+    return code, err, str(path)
+
+
+def test_the_good_baseline_of_these_properties_passes(run_cli):
+    assert _compare_text(run_cli, json.dumps(_good_baseline()))[0] == 0
+
+
+@given(st.sampled_from(sorted(BASELINE_LEVELS)), st.text(min_size=1, max_size=12), ANY_VALUE)
+def test_an_unknown_key_at_any_level_of_a_baseline_is_refused(run_cli, level, key, value):
+    assume(key not in BASELINE_LEVELS[level])
+    data = _good_baseline()
+    node = data
+    for name in level:
+        node = node[name]
+    node[key] = value
+    code, err, path = _compare_text(run_cli, json.dumps(data))
+    assert code == 2 and path in err, err
+
+
+def _dump_with_a_key_twice(value, target: int, counter: list[int], again) -> str:
+    """``value`` as JSON, its ``target``-th object (depth first) with its first key written twice."""
+    if isinstance(value, dict):
+        index = counter[0]
+        counter[0] += 1
+        items = [f"{json.dumps(k)}: {_dump_with_a_key_twice(v, target, counter, again)}" for k, v in value.items()]
+        if index == target and value:
+            items.append(f"{json.dumps(next(iter(value)))}: {json.dumps(again)}")
+        return "{" + ", ".join(items) + "}"
+    if isinstance(value, list):
+        return "[" + ", ".join(_dump_with_a_key_twice(v, target, counter, again) for v in value) + "]"
+    return json.dumps(value)
+
+
+@given(st.integers(0, 8), ANY_VALUE)  # the good baseline holds 9 objects
+def test_a_key_twice_in_any_object_of_a_baseline_is_refused(run_cli, target, again):
+    text = _dump_with_a_key_twice(_good_baseline(), target, [0], again)
+    code, err, path = _compare_text(run_cli, text)
+    assert code == 2 and path in err and "twice" in err, err
+
+
+@given(st.text(max_size=30), st.sampled_from(["--image", "--commit"]))
+def test_update_writes_an_image_or_commit_only_as_one_line_of_printable_text(run_cli, value, option):
+    with tempfile.TemporaryDirectory() as tmp:
+        log, path = Path(tmp) / "t.log", Path(tmp) / "b.json"
+        _write_log(log, _clean_records(), jsonl=False)
+        _baseline(path)
+        before = path.read_text()
+        code, _, err = run_cli("ci", "compare", str(log), str(path), "--update", option, value)
+        after = path.read_text()
+    if code == 0:
+        assert value and all(c.isascii() and c.isprintable() and not c.isspace() for c in value), value
+        assert json.loads(after)[option.lstrip("-")] == value
+    else:
+        assert code == 2 and option in err and after == before, err
 
 
 # --- doctor: npu-smi output ------------------------------------------------------------------------------

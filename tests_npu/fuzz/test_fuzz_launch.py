@@ -174,3 +174,139 @@ def test_override_lists_compose_or_fail_with_a_named_check(overrides):
         assert any(c.status == FAIL for c in checks), checks
     elif not any(c.status == FAIL for c in checks):
         assert any(c.check == "config.compose" and c.status == OK for c in checks)
+
+
+# --- a launch read as bash runs it (issue 29, class 2) ---------------------------------------------------------------
+# The invariant, with bash as the oracle: the trainer's words preflight reads are the words bash passes, or
+# preflight's reading carries an error (a FAIL: the verdict is not GO). bash runs each script with `python3` a
+# function (from BASH_ENV, so line numbers stay the script's) that records its arguments and starts nothing.
+
+_RECORDER = 'python3() { shift 2; printf "%s\\0" "$@" > "$ARGS_OUT"; }\n'
+_ENV = {"A": "3"}
+
+
+def _bash_words(tmp_path, data: bytes) -> list[str] | None:
+    script, prelude, out = tmp_path / "run.sh", tmp_path / "recorder.sh", tmp_path / "args.bin"
+    script.write_bytes(data)
+    prelude.write_text(_RECORDER)
+    out.unlink(missing_ok=True)
+    env = {"PATH": "/usr/bin:/bin", "BASH_ENV": str(prelude), "ARGS_OUT": str(out), **_ENV}
+    subprocess.run(["bash", str(script)], env=env, capture_output=True, timeout=10, cwd=tmp_path)
+    return out.read_bytes().decode(errors="surrogateescape").split("\0")[:-1] if out.exists() else None
+
+
+def _as_bash_or_not_go(tmp_path, data: bytes, exempt: tuple[str, ...] = ()):
+    """The launch preflight reads, after checking it against bash; ``exempt``: error codes that keep bash's words."""
+    ran = _bash_words(tmp_path, data)
+    launch = read_launch_script(tmp_path / "run.sh", [], _ENV)
+    failed = [f for f in launch.findings if f.severity == "error" and f.code not in exempt]
+    if not failed:
+        assert ran is not None, ("bash never runs the trainer, but preflight reads no error", data, launch.findings)
+        assert list(launch.overrides) == ran, (data, launch.findings)
+    return launch, ran
+
+
+_bash_only = pytest.mark.skipif(shutil.which("bash") is None, reason="bash is the oracle; not installed")
+_ARGS = ["a=$A \\", '  "b=x y" \\', "  c.d=${A}0 \\", "  e=1"]
+
+
+@_bash_only
+@given(crs=st.lists(st.booleans(), min_size=6, max_size=6), pipefail=st.booleans())
+def test_crlf_anywhere_is_a_fail_or_bashs_reading(tmp_path_factory, crs, pipefail):
+    lines = ["set -euo pipefail" if pipefail else "set -u", f"{TRAINER} \\", *_ARGS]
+    data = "".join(line + ("\r\n" if cr else "\n") for line, cr in zip(lines, crs, strict=True)).encode()
+    launch, _ = _as_bash_or_not_go(tmp_path_factory.mktemp("crlf"), data)
+    crlf = [f.line for f in launch.findings if f.code == "crlf"]
+    assert crlf == ([crs.index(True) + 1] if any(crs) else [])
+
+
+_BRACE_ATOMS = st.sampled_from(["a", "b", "1", "07", "x.y", "", "'q r'", '"s,t"', "${A}", "\\,", "-", "k=v"])
+
+
+@st.composite
+def _brace_word(draw, depth: int = 0) -> str:
+    if depth > 2 or draw(st.integers(0, 2)) == 0:
+        return draw(_BRACE_ATOMS)
+    form = draw(st.integers(0, 5))
+    if form == 0:
+        items = draw(st.lists(_brace_word(depth + 1), min_size=2, max_size=3))
+        return "{" + ",".join(items) + "}"
+    if form == 1:
+        a, b = draw(st.integers(-3, 12)), draw(st.integers(-3, 12))
+        step = draw(st.sampled_from(["", "..2", "..-3", "..0"]))
+        return f"{{{draw(st.sampled_from(['', '0']))}{a}..{b}{step}}}"
+    if form == 2:
+        return "{" + draw(st.sampled_from(["a..e", "e..a", "A..C", "a..3", "1...3", "x"])) + "}"
+    if form == 3:
+        return draw(st.sampled_from(["{", "}", "{}", "{,}"]))
+    return draw(_brace_word(depth + 1)) + draw(_brace_word(depth + 1))
+
+
+@_bash_only
+@given(words=st.lists(_brace_word(), min_size=1, max_size=3))
+def test_brace_expansion_gives_bashs_words(tmp_path_factory, words):
+    data = f"{TRAINER} {' '.join(f'k{i}={w}' for i, w in enumerate(words))}\n".encode()
+    _as_bash_or_not_go(tmp_path_factory.mktemp("braces"), data, exempt=("brace-expansion",))
+
+
+_LEAVE = st.sampled_from(
+    ["exit 0", "exit 3", "( exit 1 )", "true || exit 1", "false && exit 2", '[ "$A" = 3 ] && exit 0',
+     '[ "$B" = 3 ] || exit 0', "if [ 1 -lt 2 ]; then exit 0; fi", "if [[ $A == 4* ]]; then exit 1; fi",
+     "f() { return 0; exit 1; }; f", "echo | exit 0", "echo | exit 4", "return", "exec true", "exec >/dev/null",
+     "g() { exit 5; }", "case $A in 3) exit 0;; esac", "case $A in 4) exit 0;; esac", ": || exit 1"]
+)  # fmt: skip
+
+
+@_bash_only
+@given(before=st.lists(_LEAVE, max_size=3), errexit=st.booleans())
+def test_an_exit_before_the_trainer_is_bashs_or_a_fail(tmp_path_factory, before, errexit):
+    lines = ["set -e" if errexit else "true", *before, f"{TRAINER} a=$A"]
+    _as_bash_or_not_go(tmp_path_factory.mktemp("exit"), ("\n".join(lines) + "\n").encode())
+
+
+_OPERANDS = st.sampled_from(["1", "2", "a", "$A", '"$A"', '""', '"$B"', "x*", "-n"])
+
+
+@st.composite
+def _condition(draw, depth: int = 0) -> str:
+    form = draw(st.integers(0, 7 if depth < 2 else 4))
+    left, right = draw(_OPERANDS), draw(_OPERANDS)
+    if form == 0:
+        return draw(st.sampled_from(["true", "false", ":", "[ -f /nonexistent/x ]", "(( A > 2 ))", "(( A < 2 ))"]))
+    if form == 1:
+        return f"[ {left} {draw(st.sampled_from(['=', '!=', '-eq', '-lt', '-gt']))} {right} ]"
+    if form == 2:
+        return f"[[ {left} {draw(st.sampled_from(['==', '!=', '-ge', '<']))} {right} ]]"
+    if form == 3:
+        return f"[ {draw(st.sampled_from(['-n', '-z', '!']))} {left} ]"
+    if form == 4:
+        return f"[[ {draw(st.sampled_from(['-n', '-z', '-v']))} {left.strip('$')} ]]"
+    if form == 5:
+        return f"! {draw(_condition(depth + 1))}"
+    return f"{draw(_condition(depth + 1))} {draw(st.sampled_from(['&&', '||']))} {draw(_condition(depth + 1))}"
+
+
+@_bash_only
+@given(condition=_condition(), form=st.integers(0, 5))
+def test_a_trainer_under_a_condition_is_bashs_or_a_fail(tmp_path_factory, condition, form):
+    trainer = f"{TRAINER} a=$A"
+    body = [
+        f"if {condition}; then\n  {trainer}\nfi",
+        f"if {condition}; then :; else\n  {trainer}\nfi",
+        f"{condition} && {trainer}",
+        f"{condition} || {trainer}",
+        f"while {condition}; do\n  {trainer}\n  break\ndone",
+        f"if {condition}; then exit 0; fi\n{trainer}",
+    ][form]
+    _as_bash_or_not_go(tmp_path_factory.mktemp("cond"), f"set -u\n{body}\n".encode())
+
+
+@_bash_only
+@given(blanks=st.lists(st.sampled_from(["", "", " ", "\t", "  ", " \t"]), min_size=4, max_size=4))
+def test_a_blank_after_a_continuation_is_a_fail_naming_its_line(tmp_path_factory, blanks):
+    lines = [f"{TRAINER} \\", *_ARGS[:3]]
+    data = "".join(line + blank + "\n" for line, blank in zip(lines, blanks, strict=True)).encode() + b"  e=1\n"
+    launch, _ = _as_bash_or_not_go(tmp_path_factory.mktemp("blank"), data)
+    found = [f.line for f in launch.findings if f.code == "line-continuation"]
+    assert found == [i + 1 for i, blank in enumerate(blanks) if blank]
+    assert list(launch.overrides) == ["a=3", "b=x y", "c.d=30", "e=1"]  # read as the author meant it

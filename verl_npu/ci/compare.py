@@ -21,6 +21,13 @@ The gate fails closed: a baseline value or limit that is not a finite number in 
 a NaN or infinite value, or a metric missing from any step of the window is an error (exit 2), never
 "ok". The baseline's structure is parsed through verl_npu.inputs; ``--update`` writes it atomically
 (a temporary file beside it, fsync, rename) and refuses a value that is not finite.
+
+Nor does the gate choose between two values (exit 2 instead, naming both): a metric given two different values
+at one step (a restarted run appended to the same log), a key given twice in one JSON object (``json.loads``
+keeps the last), a limit with both ``tolerance`` and ``max_increase``. A baseline key the gate does not know
+(a misspelt ``tolerence`` would be ignored) and a ``format`` other than :data:`BASELINE_FORMAT` are refused;
+every text ``--update`` writes from outside (``--image``, ``--commit``, the log's name) is one line of printable
+characters, an image a reference in the OCI distribution grammar, so a shell reading it back gets what was meant.
 """
 
 from __future__ import annotations
@@ -30,6 +37,7 @@ import datetime
 import json
 import math
 import re
+import unicodedata
 from pathlib import Path
 from typing import Any
 
@@ -38,13 +46,16 @@ from verl_npu.bounded_read import MIB, NotReadable, read_bytes
 from verl_npu.checks import FAIL, OK, Check, Column, status_markup
 from verl_npu.checks import table as checks_table
 from verl_npu.errors import UserError
-from verl_npu.inputs import InputError
+from verl_npu.inputs import DuplicateKey, InputError, loads_json
 
 MAX_LOG_BYTES = 512 * MIB  # a training log
 MAX_BASELINE_BYTES = 16 * MIB
 
 _CONSOLE = re.compile(r"(?:^|\s)step:(\d+) - (.*)$")
 _NUMPY_SCALAR = re.compile(r"^np\.\w+\((.*)\)$")
+# what Python prints for a number: ASCII digits (float() also reads other scripts' digits, '1_000' and ' 1 ')
+_DECIMAL = re.compile(r"[+-]?(?:[0-9]+\.?[0-9]*|\.[0-9]+)(?:e[+-]?[0-9]+)?|[+-]?(?:nan|inf|infinity)",
+                      re.ASCII | re.IGNORECASE)  # fmt: skip
 LIMIT_KINDS = ("absolute", "relative")
 LIMIT_KEYS = ("max_increase", "max_decrease", "tolerance")
 
@@ -75,10 +86,48 @@ MAX_METRICS = 1_000
 MAX_VALUE = 1e15  # |a baseline value|, and an absolute limit
 MAX_RELATIVE = 100.0  # a relative limit: 10000% of the baseline value
 MAX_NAME = 200  # a metric or job name
+MAX_TEXT = 2_000  # a baseline's description, a guard's why
+
+BASELINE_FORMAT = 1  # a baseline without "format" is format 1
+BASELINE_KEYS = ("format", "job", "description", "image", "commit", "taken", "source_log", "window", "metrics",
+                 "guards")  # fmt: skip
+WINDOW_KEYS = ("first_step", "last_step")
+METRIC_KEYS = ("value", "limit")
+
+# An image reference as registries and `docker pull` read it (the OCI distribution reference grammar): an optional
+# registry host[:port], lowercase path components joined by one of . _ __ or dashes, an optional :tag of up to 128
+# word characters, an optional @algorithm:hex digest.
+_PATH_COMPONENT = r"[a-z0-9]+(?:(?:[._]|__|-+)[a-z0-9]+)*"
+_HOST_LABEL = r"[A-Za-z0-9](?:[A-Za-z0-9-]*[A-Za-z0-9])?"
+_HOST = rf"(?:{_HOST_LABEL}(?:\.{_HOST_LABEL})*|\[[0-9A-Fa-f:.]+\])"
+IMAGE_REFERENCE = re.compile(
+    rf"(?:{_HOST}(?::[0-9]+)?/)?{_PATH_COMPONENT}(?:/{_PATH_COMPONENT})*"
+    r"(?::[A-Za-z0-9_][A-Za-z0-9_.-]{0,127})?"
+    r"(?:@[A-Za-z][A-Za-z0-9]*(?:[-_+.][A-Za-z][A-Za-z0-9]*)*:[0-9a-fA-F]{32,})?",
+    re.ASCII,
+)
+MAX_IMAGE = 512  # a name of at most 255 characters, a tag of 128, a sha512 digest
+# a commit or revision as git names one (a sha, HEAD, v1.2, "unknown" from run_job.sh): no shell or control character
+COMMIT = re.compile(r"[A-Za-z0-9][A-Za-z0-9._/-]{0,199}", re.ASCII)
+_DATE = re.compile(r"[0-9]{4}-[0-9]{2}-[0-9]{2}", re.ASCII)
 
 
 class CompareError(UserError):
     """A log or baseline that cannot be compared (names the file, line or metric and the fix)."""
+
+
+# --- JSON and text from outside ------------------------------------------------------------------
+# line and paragraph breaks, other control characters, bidirectional overrides, lone surrogates
+_NOT_ONE_LINE = frozenset(("Cc", "Cf", "Cs", "Zl", "Zp"))
+
+
+def label(key: str, value: Any, *, max_length: int = MAX_NAME, source: str | None = None) -> str:
+    """Text of one line: no character that a terminal, a shell or a YAML reader would take as more than text."""
+    text = inputs.text(key, value, max_length=max_length, source=source)
+    bad = next((c for c in text if unicodedata.category(c) in _NOT_ONE_LINE), None)
+    if bad is not None:
+        raise InputError(key, value, f"one line of printable text (it holds {bad!r})", source=source)
+    return text
 
 
 # --- reading the log -----------------------------------------------------------------------------
@@ -89,6 +138,8 @@ def _number(text: str) -> float:
         text = match.group(1)
     if text in ("True", "False"):
         return float(text == "True")
+    if not _DECIMAL.fullmatch(text):
+        raise ValueError(text)
     return float(text)
 
 
@@ -99,29 +150,84 @@ def _as_float(value: int | float) -> float:
         return math.inf if value > 0 else -math.inf
 
 
-def _step(path: Path, number: int, value: Any) -> int:
+def _step(path: Path, number: int, value: Any, *, console: bool = False) -> int:
+    """A step: ASCII digits on a console line, a JSON integer on a JSON line (not "1", 1.0 or true)."""
+    source = f"{path}:{number}"
     try:
-        return inputs.integer("step", value, minimum=0, maximum=MAX_STEP, source=f"{path}:{number}")
+        if console:
+            return inputs.integer("step", value, minimum=0, maximum=MAX_STEP, source=source)
+        return _json_integer("step", value, minimum=0, maximum=MAX_STEP, source=source)
     except InputError as exc:
         raise CompareError(str(exc)) from None
 
 
-def _console_line(path: Path, number: int, line: str, last: bool) -> tuple[int, dict[str, float]] | None:
+Record = tuple[int, list[tuple[str, float]]]  # a step and its (metric, value) pairs, in the order written
+
+
+def _console_line(path: Path, number: int, line: str, last: bool) -> Record | None:
     match = _CONSOLE.search(line)
     if not match:
         return None
     digits = match.group(1)
-    step, metrics = _step(path, number, digits if len(digits) <= 40 else digits[:40] + "..."), {}
+    step, metrics = _step(path, number, digits if len(digits) <= 40 else digits[:40] + "...", console=True), []
+    again = _CONSOLE.search(match.group(2))
+    if again:  # two processes' lines run together: which step a value belongs to is a guess
+        second = again.group(1)[:40]
+        raise CompareError(f"{path}:{number}: two step records on one line (step {step} and step {second}); put "
+                           "each on its own line")  # fmt: skip
     for item in match.group(2).split(" - "):
         key, sep, value = item.rpartition(":")
         try:
             if not sep or not key:
                 raise ValueError(item)
-            metrics[key.strip()] = _number(value)
+            metrics.append((key.strip(), _number(value)))
         except ValueError:
             what = "truncated (the last line ends mid-record)" if last else "malformed"
             raise CompareError(f"{path}:{number}: {what}: cannot read {item!r} as key:value") from None
     return step, metrics
+
+
+def _json_line(path: Path, number: int, line: str, last: bool) -> Record:
+    try:
+        record = loads_json(line)
+    except DuplicateKey as exc:
+        raise CompareError(f"{path}:{number}: {exc}") from None
+    except (ValueError, RecursionError):  # JSONDecodeError, and integers of more than 4300 digits
+        what = "truncated (the last line ends mid-record)" if last else "malformed JSON"
+        raise CompareError(f"{path}:{number}: {what}") from None
+    if not isinstance(record, dict) or "step" not in record or not isinstance(record.get("data"), dict):
+        raise CompareError(f'{path}:{number}: a JSON line must be {{"step": N, "data": {{...}}}}')
+    step = _step(path, number, record["step"])
+    return step, [(k, _as_float(v)) for k, v in record["data"].items() if _is_number(v)]
+
+
+def _same(a: float, b: float) -> bool:
+    return a == b or (math.isnan(a) and math.isnan(b))
+
+
+class _Steps:
+    """Metrics per step, and the line each value came from: a second, different value is refused, not kept."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.values: dict[int, dict[str, float]] = {}
+        self.lines: dict[int, dict[str, int]] = {}
+
+    def add(self, number: int, step: int, metrics: list[tuple[str, float]]) -> None:
+        values, lines = self.values.setdefault(step, {}), self.lines.setdefault(step, {})
+        for key, value in metrics:
+            if key not in values:
+                values[key], lines[key] = value, number
+            elif not _same(values[key], value):
+                raise CompareError(self._two_values(step, key, (values[key], lines[key]), (value, number)))
+
+    def _two_values(self, step: int, key: str, first: tuple[float, int], second: tuple[float, int]) -> str:
+        if first[1] == second[1]:
+            return (f"{self.path}:{second[1]}: step {step} gives {key[:80]!r} two values on one line "
+                    f"({first[0]:.6g} and {second[0]:.6g})")  # fmt: skip
+        return (f"{self.path}: step {step} gives {key[:80]!r} two values: {first[0]:.6g} at line {first[1]} and "
+                f"{second[0]:.6g} at line {second[1]} (a restarted run appended to the same log?); compare the log "
+                "of one run (split the log where its steps start again)")  # fmt: skip
 
 
 def read_log(path: str | Path) -> dict[int, dict[str, float]]:
@@ -133,31 +239,22 @@ def read_log(path: str | Path) -> dict[int, dict[str, float]]:
         lines = read_bytes(path, MAX_LOG_BYTES).decode("utf-8", errors="replace").splitlines()
     except NotReadable as exc:
         raise CompareError(f"{path}: cannot read the log ({exc})") from None
-    steps: dict[int, dict[str, float]] = {}
+    steps = _Steps(path)
     for number, line in enumerate(lines, start=1):
         last = number == len(lines)
         if line.lstrip().startswith("{"):
-            try:
-                record = json.loads(line)
-            except (ValueError, RecursionError):  # JSONDecodeError, and integers of more than 4300 digits
-                what = "truncated (the last line ends mid-record)" if last else "malformed JSON"
-                raise CompareError(f"{path}:{number}: {what}") from None
-            if not isinstance(record, dict) or "step" not in record or not isinstance(record.get("data"), dict):
-                raise CompareError(f'{path}:{number}: a JSON line must be {{"step": N, "data": {{...}}}}')
-            step = _step(path, number, record["step"])
-            entry = (step, {k: _as_float(v) for k, v in record["data"].items() if _is_number(v)})
+            entry = _json_line(path, number, line, last)
         else:
             entry = _console_line(path, number, line, last)
             if entry is None:
                 continue
-        step, metrics = entry
-        steps.setdefault(step, {}).update(metrics)
-    if not steps:
+        steps.add(number, *entry)
+    if not steps.values:
         raise CompareError(
             f"{path}: no per-step metric lines (expected verl's console 'step:N - key:value' lines or its file "
             "logger's JSON lines); was the job run with trainer.logger containing 'console' or 'file'?"
         )
-    return steps
+    return steps.values
 
 
 def _is_number(value: Any) -> bool:
@@ -248,6 +345,9 @@ def _limit(path: Path, metric: str, data: Any) -> Limit:
     present = [k for k in LIMIT_KEYS if k in data]
     if not present:
         raise CompareError(f"{where}: give one or more of {', '.join(LIMIT_KEYS)} as non-negative numbers")
+    if "tolerance" in present and len(present) > 1:  # tolerance would win over the other without a word
+        raise CompareError(f"{where}: tolerance bounds both ways: give it alone, or max_increase and/or max_decrease "
+                           f"(found {', '.join(present)})")  # fmt: skip
     most = MAX_RELATIVE if data["kind"] == "relative" else MAX_VALUE
     amounts = {
         k: _json_number(f"metrics.{metric}.limit.{k}", data[k], minimum=0.0, maximum=most, source=str(path))
@@ -296,7 +396,8 @@ def _guard(path: Path, metric: str, data: Any) -> Guard:
     }
     if bounds["min"] is not None and bounds["max"] is not None and bounds["min"] > bounds["max"]:
         raise CompareError(f"{where}: min {bounds['min']:g} is above max {bounds['max']:g}")
-    why = None if data.get("why") is None else inputs.text(f"guards.{metric}.why", data["why"], source=source)
+    why = None if data.get("why") is None else label(f"guards.{metric}.why", data["why"], max_length=MAX_TEXT,
+                                                      source=source)  # fmt: skip
     return Guard(metric, step, bounds["min"], bounds["max"], why)
 
 
@@ -312,9 +413,7 @@ class Baseline:
     guards: tuple[Guard, ...] = ()
 
 
-def read_baseline(path: str | Path) -> Baseline:
-    """The baseline at ``path``, every field parsed and range-checked; CompareError names the file and field."""
-    path = Path(path)
+def _baseline_json(path: Path) -> Any:
     if not path.exists():
         raise CompareError(f"{path}: no such baseline file")
     try:
@@ -326,15 +425,77 @@ def read_baseline(path: str | Path) -> Baseline:
     except UnicodeDecodeError as exc:
         raise CompareError(f"{path}: not UTF-8 text (byte {exc.start}: {exc.reason})") from None
     try:
-        data = json.loads(text)
+        return loads_json(text)
+    except DuplicateKey as exc:
+        raise CompareError(f"{path}: {exc}") from None
     except ValueError as exc:  # JSONDecodeError, and integers of more than 4300 digits
         raise CompareError(f"{path}: not valid JSON ({exc})") from None
     except RecursionError:
         raise CompareError(f"{path}: not valid JSON (nested too deeply)") from None
+
+
+def read_baseline(path: str | Path) -> Baseline:
+    """The baseline at ``path``, every field parsed and range-checked; CompareError names the file and field."""
+    path = Path(path)
+    data = _baseline_json(path)
     try:
         return parse_baseline(path, data)
     except InputError as exc:
         raise CompareError(str(exc)) from None
+
+
+def _known_keys(where: str, data: dict, allowed: tuple[str, ...]) -> None:
+    unknown = sorted(set(data) - set(allowed))
+    if unknown:
+        shown = [u[:80] for u in unknown[:10]]
+        raise CompareError(f"{where}: unknown keys {shown} (allowed: {', '.join(allowed)}; the gate reads no other, "
+                           "so a misspelt key would be ignored)")  # fmt: skip
+
+
+def _header(path: Path, data: dict) -> tuple[str, str | None, str | None]:
+    """(job, image, commit), and every other top-level text checked: a known format, one-line text, a date."""
+    source = str(path)
+    version = data.get("format", BASELINE_FORMAT)  # first: another format may have other keys
+    if type(version) is not int or version != BASELINE_FORMAT:
+        raise CompareError(f"{path}: format={version!r}: this verl-npu reads baseline format {BASELINE_FORMAT} "
+                           "(a baseline without format is format 1)")  # fmt: skip
+    _known_keys(str(path), data, BASELINE_KEYS)
+    job = label("job", data["job"], source=source)
+    if data.get("description") is not None:
+        label("description", data["description"], max_length=MAX_TEXT, source=source)
+    if data.get("source_log") is not None:
+        label("source_log", data["source_log"], max_length=255, source=source)
+    taken = data.get("taken")
+    if taken is not None and not (isinstance(taken, str) and _DATE.fullmatch(taken) and _is_date(taken)):
+        raise InputError("taken", taken, "null or a date YYYY-MM-DD", source=source)
+    return job, image_reference("image", data.get("image"), source), commit_name("commit", data.get("commit"), source)
+
+
+def _is_date(text: str) -> bool:
+    try:
+        datetime.date.fromisoformat(text)
+    except ValueError:
+        return False
+    return True
+
+
+def image_reference(key: str, value: Any, source: str | None = None) -> str | None:
+    """None, or an image reference a registry and a shell read as written (the OCI distribution grammar)."""
+    if value is None:
+        return None
+    if not (isinstance(value, str) and len(value) <= MAX_IMAGE and IMAGE_REFERENCE.fullmatch(value)):
+        raise InputError(key, value, "an image reference [REGISTRY/]NAME[:TAG][@DIGEST] (lowercase name, no "
+                         f"spaces or control characters, at most {MAX_IMAGE} characters)", source=source)  # fmt: skip
+    return value
+
+
+def commit_name(key: str, value: Any, source: str | None = None) -> str | None:
+    if value is None:
+        return None
+    if not (isinstance(value, str) and COMMIT.fullmatch(value)):
+        raise InputError(key, value, "a git commit (as `git rev-parse HEAD` prints it) or revision: letters, "
+                         "digits and . _ / - only, at most 200 characters", source=source)  # fmt: skip
+    return value
 
 
 def parse_baseline(path: Path, data: Any) -> Baseline:
@@ -345,10 +506,11 @@ def parse_baseline(path: Path, data: Any) -> Baseline:
     for key in ("job", "window", "metrics"):
         if key not in data:
             raise CompareError(f"{path}: missing top-level key {key!r}")
-    job = inputs.text("job", data["job"], max_length=MAX_NAME, source=source)
+    job, image, commit = _header(path, data)
     window = data["window"]
     if not isinstance(window, dict) or "first_step" not in window or "last_step" not in window:
         raise CompareError(f"{path}: window must be {{'first_step': N, 'last_step': M}}")
+    _known_keys(f"{path}: window", window, WINDOW_KEYS)
     first = _json_integer("window.first_step", window["first_step"], minimum=1, maximum=MAX_STEP, source=source)
     last = _json_integer("window.last_step", window["last_step"], minimum=first,
                           maximum=min(MAX_STEP, first + MAX_WINDOW - 1), source=source)  # fmt: skip
@@ -359,24 +521,21 @@ def parse_baseline(path: Path, data: Any) -> Baseline:
         raise CompareError(f"{path}: metrics has {len(metrics)} entries (at most {MAX_METRICS})")
     values, limits = {}, {}
     for metric, entry in metrics.items():
-        inputs.text("metrics (a metric name)", metric, max_length=MAX_NAME, source=source)
+        label("metrics (a metric name)", metric, source=source)
         if not isinstance(entry, dict) or "limit" not in entry or "value" not in entry:
             raise CompareError(f"{path}: metrics.{metric} needs 'value' (null until taken) and 'limit'")
+        _known_keys(f"{path}: metrics.{metric}", entry, METRIC_KEYS)
         value = entry["value"]
         if value is not None:
             value = _json_number(f"metrics.{metric}.value", value, minimum=-MAX_VALUE, maximum=MAX_VALUE,
                                  source=source)  # fmt: skip
         values[metric] = value
         limits[metric] = _limit(path, metric, entry["limit"])
-    image, commit = (
-        None if data.get(k) is None else inputs.text(k, data[k], max_length=400, source=source)
-        for k in ("image", "commit")
-    )
     guards = data.get("guards", {})
     if not isinstance(guards, dict) or len(guards) > MAX_METRICS:
         raise CompareError(f"{path}: guards must map at most {MAX_METRICS} metric names to {{step, min and/or max}}")
     for metric in guards:
-        inputs.text("guards (a metric name)", metric, max_length=MAX_NAME, source=source)
+        label("guards (a metric name)", metric, source=source)
     parsed = tuple(_guard(path, metric, entry) for metric, entry in guards.items())
     return Baseline(path, job, (first, last), values, limits, image, commit, parsed)
 
@@ -475,18 +634,27 @@ def compare(log: str | Path, baseline: Baseline) -> list[Row]:
 def update_baseline(log: str | Path, baseline_path: str | Path, *, image: str | None, commit: str | None) -> dict:
     """Take every metric's windowed average from ``log`` into the baseline (limits and window are kept).
 
-    Refuses a value the baseline could not hold (not finite, out of range); writes the file whole or not at all.
+    Refuses a value the baseline could not hold (not finite, out of range) and text a shell would read otherwise
+    (``image``, ``commit``, the log's name), before reading the log; writes the file whole or not at all.
     """
     path = Path(baseline_path)
-    why = atomic.writable_directory(path)
+    try:
+        image, commit = image_reference("--image", image), commit_name("--commit", commit)
+        source_log = label("the log's file name (source_log)", Path(log).name, max_length=255)
+    except InputError as exc:
+        raise CompareError(f"{exc} (nothing written to {path})") from None
+    why = atomic.output_problem(path)
     if why is not None:
         raise CompareError(f"{path}: cannot write the baseline: {why}")
     if path.exists():
-        current = read_baseline(path)
-        data = json.loads(path.read_text(encoding="utf-8"))
+        data = _baseline_json(path)
+        try:
+            current = parse_baseline(path, data)
+        except InputError as exc:
+            raise CompareError(str(exc)) from None
         window, metrics = current.window, list(current.values)
     else:
-        data = {"job": path.stem, "metrics": {}, "guards": DEFAULT_GUARDS}
+        data = {"format": BASELINE_FORMAT, "job": path.stem, "metrics": {}, "guards": DEFAULT_GUARDS}
         window, metrics = DEFAULT_WINDOW, list(DEFAULT_LIMITS)
     steps = read_log(log)
     data["window"] = {"first_step": window[0], "last_step": window[1]}
@@ -498,14 +666,11 @@ def update_baseline(log: str | Path, baseline_path: str | Path, *, image: str | 
         mean = round(window_average(steps, metric, window, str(log)), 6)
         entry["value"] = inputs.number(f"metrics.{metric}.value", mean, minimum=-MAX_VALUE, maximum=MAX_VALUE,
                                        source=f"{log} (its window mean, not written to {path})")  # fmt: skip
-    data.update(image=image, commit=commit, taken=datetime.date.today().isoformat(), source_log=Path(log).name)
+    data.setdefault("format", BASELINE_FORMAT)
+    data.update(image=image, commit=commit, taken=datetime.date.today().isoformat(), source_log=source_log)
+    text = json.dumps(data, indent=2, allow_nan=False) + "\n"  # every field was range-checked: never NaN here
     try:
-        text = json.dumps(data, indent=2, allow_nan=False) + "\n"
-    except ValueError as exc:  # a NaN or infinity in a field the baseline keeps but does not check
-        raise CompareError(f"{path}: the baseline holds a value JSON cannot (NaN or infinity: {exc}); fix it "
-                           "before --update") from None  # fmt: skip
-    try:
-        parse_baseline(path, json.loads(text))  # what is written reads back as a baseline, or nothing is written
+        parse_baseline(path, loads_json(text))  # what is written reads back as a baseline, or nothing is written
     except InputError as exc:
         raise CompareError(f"{exc} (refusing to write {path})") from None
     try:

@@ -23,6 +23,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from verl_npu import atomic
 from verl_npu.errors import UserError
 
 DATA_SOURCE = "openai/gsm8k"
@@ -56,6 +57,9 @@ def raw_files(raw_dir: Path, split: str) -> list[Path]:
             "openai/gsm8k in its Hugging Face layout (main/train-00000-of-00001.parquet, "
             "main/test-00000-of-00001.parquet); on the Ascend runners it is /root/.cache/datasets/openai/gsm8k"
         )
+    for path in files:  # each is hashed and read whole: a FIFO or device named like a shard would never end
+        if not path.is_file():
+            raise Gsm8kError(f"{path}: not a regular file; give the directory of the dataset's parquet files")
     return files
 
 
@@ -111,14 +115,13 @@ def source_stamp(raw_dir: Path) -> dict[str, Any]:
     return {"format": FORMAT_VERSION, "files": files}
 
 
-def _write_atomically(path: Path, write) -> None:
-    # a job killed mid-write must not leave a truncated parquet that the next run would take as done
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    try:
-        write(tmp)
-        tmp.replace(path)
-    finally:
-        tmp.unlink(missing_ok=True)
+def _refuse_unwritable(paths: list[Path]) -> None:
+    """Before the stamp is read or anything converted: a FIFO there would block the read, and a directory,
+    device or FIFO named like an output is never replaced (verl_npu.atomic)."""
+    for path in paths:
+        why = atomic.output_problem(path)
+        if why is not None:
+            raise atomic.OutputPathError(f"cannot write {path}: {why}")
 
 
 def prepare(raw_dir: str | Path, out_dir: str | Path) -> tuple[dict[str, Path], bool]:
@@ -127,6 +130,8 @@ def prepare(raw_dir: str | Path, out_dir: str | Path) -> tuple[dict[str, Path], 
     stamp = source_stamp(raw_dir)
     outputs = {split: out_dir / f"{split}.parquet" for split in SPLITS}
     stamp_path = out_dir / STAMP
+    if os.path.lexists(out_dir):
+        _refuse_unwritable([*outputs.values(), stamp_path])
     try:
         done = json.loads(stamp_path.read_text()) == stamp and all(p.is_file() for p in outputs.values())
     except (OSError, ValueError):
@@ -134,11 +139,16 @@ def prepare(raw_dir: str | Path, out_dir: str | Path) -> tuple[dict[str, Path], 
     if done:
         return outputs, False
     out_dir.mkdir(parents=True, exist_ok=True)
-    stamp_path.unlink(missing_ok=True)  # the outputs are not trustworthy until the new stamp lands
+    # the outputs are not trustworthy until the new stamp lands (a linked stamp is emptied through its link)
+    if stamp_path.is_symlink():
+        atomic.write_text(stamp_path, "")
+    else:
+        stamp_path.unlink(missing_ok=True)
     for split, path in outputs.items():
         frame = convert_split(raw_dir, split)
-        _write_atomically(path, lambda tmp, frame=frame: frame.to_parquet(tmp, index=False))
-    _write_atomically(stamp_path, lambda tmp: tmp.write_text(json.dumps(stamp, indent=2, sort_keys=True) + "\n"))
+        # a job killed mid-write must not leave a truncated parquet that the next run would take as done
+        atomic.write_with(path, lambda temporary, frame=frame: frame.to_parquet(temporary, index=False))
+    atomic.write_text(stamp_path, json.dumps(stamp, indent=2, sort_keys=True) + "\n")
     return outputs, True
 
 
@@ -151,7 +161,7 @@ def _main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         outputs, written = prepare(args.raw_dir, args.out_dir)
-    except (Gsm8kError, OSError) as exc:
+    except (UserError, OSError) as exc:  # Gsm8kError, and atomic.OutputPathError for an output path
         print(f"error: {exc}", file=sys.stderr)
         return 2
     verb = "wrote" if written else "up to date:"

@@ -23,11 +23,14 @@ TAG = re.compile(
 ARCHES = ("amd64", "arm64")
 # GitHub user and organisation names: alphanumerics and single inner hyphens, at most 39 characters.
 _OWNER = re.compile(r"[A-Za-z0-9](?:[A-Za-z0-9]|-(?=[A-Za-z0-9])){0,38}")
-_REGISTRY = re.compile(r"[a-z0-9]+(?:[._-][a-z0-9]+)*(?::\d+)?(?:/[a-z0-9]+(?:[._-][a-z0-9]+)*)*")
+_REGISTRY = re.compile(r"[a-z0-9]+(?:[._-][a-z0-9]+)*(?::[0-9]+)?(?:/[a-z0-9]+(?:[._-][a-z0-9]+)*)*")
 
 
 def manifest_digest(manifest: str | Path = MANIFEST_PATH) -> str:
-    return hashlib.sha256(Path(manifest).read_bytes()).hexdigest()[:12]
+    from verl_npu.bounded_read import read_bytes
+    from verl_npu.stack.manifest import MAX_MANIFEST_BYTES
+
+    return hashlib.sha256(read_bytes(manifest, MAX_MANIFEST_BYTES)).hexdigest()[:12]
 
 
 def ghcr_registry(owner: str) -> str:

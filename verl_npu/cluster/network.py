@@ -34,7 +34,7 @@ import sys
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
-from verl_npu import processes
+from verl_npu import inputs, processes
 from verl_npu.doctor import FAIL, OK, WARN, Finding
 
 # TP_SOCKET_IFNAME: TensorPipe (torch.distributed.rpc) reads it; set with the others so that nothing
@@ -351,11 +351,13 @@ def tcp_port_in_use(port: int) -> bool:
 
 
 def parse_port_list(value: str) -> list[tuple[int, int]]:
-    """``60000-60050,61000`` -> [(60000, 60050), (61000, 61000)] (HCCL_HOST_SOCKET_PORT_RANGE's syntax)."""
+    """``60000-60050,61000`` -> [(60000, 60050), (61000, 61000)] (HCCL_HOST_SOCKET_PORT_RANGE's syntax).
+
+    ASCII digits only: HCCL reads no other, though Python's int() would turn '٦٠٠٠٠' into 60000."""
     ranges = []
     for part in value.split(","):
-        text = part.strip()
-        match = re.fullmatch(r"(\d+)(?:\s*-\s*(\d+))?", text)
+        text = part.strip(" \t")
+        match = re.fullmatch(r"([0-9]{1,5})(?:[ \t]*-[ \t]*([0-9]{1,5}))?", text)
         if not match:
             raise ValueError(f"{text!r} is not a port or a range lo-hi")
         low, high = int(match.group(1)), int(match.group(2) or match.group(1))
@@ -365,9 +367,43 @@ def parse_port_list(value: str) -> list[tuple[int, int]]:
     return ranges
 
 
+RAY_PORT_VARIABLES = (
+    "RAY_PORT", "RAY_DASHBOARD_PORT", "RAY_NODE_MANAGER_PORT", "RAY_OBJECT_MANAGER_PORT", "RAY_MIN_WORKER_PORT",
+    "RAY_MAX_WORKER_PORT",
+)  # fmt: skip
+
+
+def env_port(env: Mapping[str, str], name: str) -> int | None:
+    """The port in ``env[name]`` (None: unset or empty); InputError naming the variable when it is not one (ASCII
+    digits, 1-65535: `ray start` would get the text as written)."""
+    value = env.get(name, "")
+    if not value.strip():
+        return None
+    return inputs.integer(name, value, minimum=1, maximum=65535)
+
+
 def _env_port(env: Mapping[str, str], name: str) -> int | None:
-    value = env.get(name, "").strip()
-    return int(value) if value.isdigit() else None
+    """The port, or None when unset or not a port (check_ray_port_variables reports that one)."""
+    try:
+        return env_port(env, name)
+    except inputs.InputError:
+        return None
+
+
+def check_ray_port_variables(env: Mapping[str, str], node: str) -> list[Finding]:
+    """A Ray port variable that is not a port fails here, by name, rather than being replaced by Ray's default."""
+    findings = []
+    for name in RAY_PORT_VARIABLES:
+        try:
+            env_port(env, name)
+        except inputs.InputError:
+            findings.append(
+                Finding(
+                    "network.ray_ports", FAIL, f"{name}={env[name]!r} on {node} is not a port number (1-65535)",
+                    f"set {name} to a port number in ASCII digits, or unset it for Ray's default",
+                )
+            )  # fmt: skip
+    return findings
 
 
 def ray_ports(env: Mapping[str, str]) -> list[tuple[str, int, int]]:
@@ -407,11 +443,12 @@ def ray_start_args(env: Mapping[str, str], role: str) -> list[str]:
     for name, option in options.items():
         if name in ("RAY_PORT", "RAY_DASHBOARD_PORT") and role != "head":
             continue  # a worker reaches the GCS through --address; the dashboard runs on the head
-        value = env.get(name, "").strip()
-        if value:
-            if not value.isdigit() or not 1 <= int(value) <= 65535:
-                raise NetworkError(f"{name}={value!r} is not a port number (1-65535); fix it in the env file")
-            args.append(f"{option}={value}")
+        try:
+            port = env_port(env, name)
+        except inputs.InputError:
+            raise NetworkError(f"{name}={env[name]!r} is not a port number (1-65535); fix it in the env file") from None
+        if port is not None:
+            args.append(f"{option}={port}")
     return args
 
 
@@ -434,7 +471,7 @@ def _reserved_ports(proc_sys: Path) -> list[tuple[int, int]]:
 
 def _ephemeral_range(proc_sys: Path) -> tuple[int, int] | None:
     fields = (_read(proc_sys / "net" / "ipv4" / "ip_local_port_range") or "").split()
-    if len(fields) == 2 and all(f.isdigit() for f in fields):
+    if len(fields) == 2 and all(re.fullmatch("[0-9]{1,5}", f) for f in fields):
         return int(fields[0]), int(fields[1])
     return None
 
@@ -443,7 +480,7 @@ def check_hccl_ports(
     env: Mapping[str, str], node: str, port_in_use: Callable[[int], bool], proc_sys: Path
 ) -> list[Finding]:
     check = "network.hccl_ports"
-    explicit = env.get("HCCL_HOST_SOCKET_PORT_RANGE", "").strip()
+    explicit = env.get("HCCL_HOST_SOCKET_PORT_RANGE", "").strip(" \t")  # HCCL reads ASCII: U+3000 is not a space
     if explicit:
         source = f"HCCL_HOST_SOCKET_PORT_RANGE={explicit}"
         if explicit.lower() == "auto":
@@ -460,22 +497,23 @@ def check_hccl_ports(
                 )
             ]
     else:
-        raw = env.get("HCCL_IF_BASE_PORT", "").strip()
+        raw = env.get("HCCL_IF_BASE_PORT", "")
         base = HCCL_DEFAULT_BASE_PORT
-        if raw:
+        if raw.strip():
             low, high = HCCL_BASE_PORT_LIMITS
-            if not raw.isdigit() or not low <= int(raw) <= high:
+            try:
+                base = inputs.integer("HCCL_IF_BASE_PORT", raw, minimum=low, maximum=high)
+            except inputs.InputError:
                 return [
                     Finding(
                         check,
                         FAIL,
                         f"HCCL_IF_BASE_PORT={raw!r} on {node} is not a port in {low}-{high}",
-                        f"set HCCL_IF_BASE_PORT to an integer in {low}-{high} (HCCL uses it and the next "
-                        f"{HCCL_BASE_PORT_SPAN - 1})",
+                        f"set HCCL_IF_BASE_PORT to an integer in {low}-{high} in ASCII digits (HCCL uses it and the "
+                        f"next {HCCL_BASE_PORT_SPAN - 1})",
                     )
                 ]
-            base = int(raw)
-        source = f"HCCL_IF_BASE_PORT={base}" + ("" if raw else " (CANN's default)")
+        source = f"HCCL_IF_BASE_PORT={base}" + ("" if raw.strip() else " (CANN's default)")
         ranges = [(base, base + HCCL_BASE_PORT_SPAN - 1)]
     findings = []
     clashes = [
@@ -571,7 +609,7 @@ def npu_ids(dev: Path) -> list[int]:
     ids = []
     with contextlib.suppress(OSError):
         for path in dev.iterdir():
-            match = re.fullmatch(r"davinci(\d+)", path.name)
+            match = re.fullmatch(r"davinci([0-9]+)", path.name)
             if match:
                 ids.append(int(match.group(1)))
     return sorted(ids)
@@ -870,6 +908,7 @@ def check_network(
     findings += _check_plain_ifname("TP_SOCKET_IFNAME", env, node, present, lookup)
     findings += _check_hccl_if_ip(env, node, held)
     findings += check_hccl_ports(env, node, port_in_use, proc_sys)
+    findings += check_ray_port_variables(env, node)
     if role == "head":
         findings += check_ray_ports_free(env, node, port_in_use)
     findings += check_npu_nics(env, node, run, dev)

@@ -73,7 +73,7 @@ def local_device_index(resource: str, accelerator_id: str, visible: str | None) 
     """
     variable = VISIBLE_DEVICES_VARIABLE.get(resource, f"{resource} visibility variable")
     if visible is None:
-        if not accelerator_id.isdigit():
+        if not re.fullmatch("[0-9]{1,9}", accelerator_id):  # ASCII: str.isdigit() passes '²', which int() refuses
             raise ValueError(
                 f"Ray's {resource} id {accelerator_id!r} is not a device index and {variable} is unset; "
                 f"set {variable} on the node before `ray start` so that Ray's ids name visible devices"
@@ -311,23 +311,52 @@ def _by_node(results: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def main(argv: list[str] | None = None) -> int:
+MAX_TIMEOUT_S = 86400.0  # a day: no registration or all-reduce that is still healthy takes longer
+
+
+def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m verl_npu.cluster.smoke", description=__doc__.split("\n")[0])
-    parser.add_argument("--expect", type=int, required=True, help="devices the cluster must have (nodes x per node)")
+    parser.add_argument("--expect", required=True, help="devices the cluster must have (nodes x per node)")
     parser.add_argument("--backend", choices=sorted(BACKEND_RESOURCE), default="hccl")
     parser.add_argument("--resource", help="Ray resource name of one device (default: NPU, GPU for nccl)")
     parser.add_argument("--address", default="auto", help="Ray cluster address")
-    parser.add_argument("--wait-timeout", type=float, default=1800.0, help="seconds to wait for devices to register")
-    parser.add_argument("--reduce-timeout", type=float, default=600.0, help="seconds for the all-reduce")
+    parser.add_argument("--wait-timeout", default="1800", help="seconds to wait for devices to register")
+    parser.add_argument("--reduce-timeout", default="600", help="seconds for the all-reduce")
     parser.add_argument("--json", type=Path, help="write every rank's node, device and timing to this file")
+    return parser
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    """The options, their numbers through verl_npu.inputs (ASCII digits, as `verl-npu k8s render` reads them: float()
+    and int() would also read '١٦' and 'nan'), the backend's resource and --json's directory: a bad one is exit 2
+    (argparse's usage error) before Ray is touched."""
+    from verl_npu import atomic, inputs
+
+    parser = _parser()
     args = parser.parse_args(argv)
-    if args.expect < 1:
-        parser.error(f"--expect must be at least 1, got {args.expect}")
+    try:
+        args.expect = inputs.integer("--expect", args.expect, minimum=1, maximum=inputs.MAX_DEVICES)
+        args.wait_timeout = inputs.number("--wait-timeout", args.wait_timeout, above=0, maximum=MAX_TIMEOUT_S)
+        args.reduce_timeout = inputs.number("--reduce-timeout", args.reduce_timeout, above=0, maximum=MAX_TIMEOUT_S)
+    except inputs.InputError as exc:
+        parser.error(str(exc))
+    args.resource = args.resource or BACKEND_RESOURCE[args.backend]
+    if args.backend != "gloo" and args.resource != BACKEND_RESOURCE[args.backend]:
+        parser.error(
+            f"--backend {args.backend} runs on --resource {BACKEND_RESOURCE[args.backend]}, got {args.resource!r}"
+        )
+    if args.json is not None:
+        why = atomic.output_problem(args.json)
+        if why is not None:
+            parser.error(f"--json {args.json}: {why}")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
     import ray
 
-    resource = args.resource or BACKEND_RESOURCE[args.backend]
-    if args.backend != "gloo" and resource != BACKEND_RESOURCE[args.backend]:
-        parser.error(f"--backend {args.backend} runs on --resource {BACKEND_RESOURCE[args.backend]}, got {resource!r}")
+    resource = args.resource
     try:
         ray.init(address=args.address, log_to_driver=False)
     except ConnectionError as exc:
@@ -343,8 +372,6 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     finally:
         ray.shutdown()
-    if args.json:
-        args.json.write_text(json.dumps(sorted(results, key=lambda r: r["rank"]), indent=1) + "\n")
     rank0 = next(r for r in results if r["rank"] == 0)
     slowest = max(results, key=lambda r: r["seconds"])
     print(f"[smoke] store on rank 0 at {rank0['store']}", flush=True)
@@ -354,6 +381,15 @@ def main(argv: list[str] | None = None) -> int:
         f"{slowest['node']}, {slowest['seconds']:.1f} s)",
         flush=True,
     )
+    if args.json:
+        from verl_npu import atomic
+
+        try:
+            atomic.write_text(args.json, json.dumps(sorted(results, key=lambda r: r["rank"]), indent=1) + "\n")
+        except (OSError, atomic.OutputPathError) as exc:  # the all-reduce passed (above); its record was not kept
+            why = exc.strerror if isinstance(exc, OSError) and exc.strerror else exc
+            print(f"[smoke] --json {args.json}: cannot write it ({why})", file=sys.stderr)
+            return 2
     return 0
 
 

@@ -13,6 +13,7 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 
 from verl_npu.contracts.spec import COMPONENTS, Contract, SymbolNotFound, fingerprint, read_symbol
+from verl_npu.errors import UserError
 
 OK, DRIFTED, MISSING, NOT_FOUND = "ok", "drifted", "missing", "not-found"
 # the import package that locates each component's source root (its parent directory)
@@ -102,3 +103,45 @@ def verify(
 def sources_for(overrides: Mapping[str, Path], components: Iterable[str] = COMPONENTS) -> dict[str, Path | None]:
     """Each component's source root: the override given, else the installed package's."""
     return {c: overrides[c] if c in overrides else installed_root(c) for c in components}
+
+
+def source_overrides(
+    items: Iterable[str], contracts: Iterable[Contract], components: Iterable[str] = COMPONENTS
+) -> dict[str, Path]:
+    """``--source NAME=DIR`` options as component -> directory; UserError (exit 2, nothing verified) for an unknown
+    or repeated NAME, one outside ``components``, or a DIR that is missing, not a directory, or holds none of the
+    files the component's contracts read: a wrong path, which verifying would report as upstream drift."""
+    wanted = list(components)
+    contracts = list(contracts)
+    overrides: dict[str, Path] = {}
+    for item in items:
+        name, sep, directory = item.partition("=")
+        if not sep or name not in COMPONENTS:
+            raise UserError(f"--source {item!r}: expected NAME=DIR with NAME one of {', '.join(COMPONENTS)}")
+        if name in overrides:
+            raise UserError(f"--source {name} is given twice ({overrides[name]}, then {directory!r}): give it once")
+        if name not in wanted:
+            raise UserError(f"--source {item!r}: {name} is not among the components checked ({', '.join(wanted)})")
+        root = Path(directory)
+        if not directory:
+            raise UserError(f"--source {item!r}: DIR is empty; give the {name} source tree")
+        if not root.exists():
+            raise UserError(f"--source {item!r}: {directory} does not exist")
+        if not root.is_dir():
+            raise UserError(f"--source {item!r}: {directory} is not a directory")
+        paths = sorted({c.path for c in contracts if c.component == name})
+        if paths and not any((root / path).exists() for path in paths):
+            package = IMPORT_NAMES[name]
+            hint = (
+                f"; {directory} looks like the {package} package itself: give its parent directory"
+                if root.resolve().name == package
+                else ""
+            )
+            example = max(paths, key=len)
+            raise UserError(
+                f"--source {item!r}: none of the {len(paths)} files the {name} contracts read is in {directory} "
+                f"(such as {example}): give the directory that holds the {package}/ package (a checkout's root, an "
+                f"unpacked wheel or sdist){hint}"
+            )
+        overrides[name] = root
+    return overrides

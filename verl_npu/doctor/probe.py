@@ -19,6 +19,7 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from verl_npu.bounded_read import NotReadable, read_bytes
 from verl_npu.checks import Check as Finding
 from verl_npu.stack import build_manifest
 from verl_npu.stack.detect import CommandFailed, run_command
@@ -35,9 +36,9 @@ def _release(version: str) -> str:
 
 
 def _read_version_file(path: Path) -> str | None:
-    try:
-        text = path.read_text(errors="replace")
-    except OSError:
+    try:  # under an Ascend root named by the environment: never a FIFO's or a device's endless read
+        text = read_bytes(path, 64 * 1024).decode(errors="replace")
+    except NotReadable:
         return None
     match = re.search(r"^\s*(?:Version|version)\s*=\s*([0-9][0-9A-Za-z.\-]*)", text, flags=re.M)
     return match.group(1) if match else None
@@ -59,6 +60,8 @@ class Probe:
     which: Callable[[str], str | None] = shutil.which
     # the node's network checks (verl_npu.cluster.network.check_network); None: not checked here
     network: Callable[[Mapping[str, str]], list[Finding]] | None = None
+    # `verl-npu doctor --expect-npus N`, parsed: it wins over $VERL_NPU_EXPECT_NPUS, and findings name it as the source
+    expect_npus: int | None = None
 
     @classmethod
     def current(cls) -> Probe:

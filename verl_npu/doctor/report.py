@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import datetime as _dt
 import hashlib
-import os
 import platform as _platform
 import re
 import socket
@@ -236,13 +235,8 @@ def render(
 
 
 def write(text: str, path: Path) -> None:
-    """Write the report atomically: a reader never sees half of it, an old report survives a failure."""
-    path = Path(path)
-    if not path.parent.is_dir():
-        raise FileNotFoundError(f"cannot write the report to {path}: directory {path.parent} does not exist")
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    try:
-        tmp.write_text(text)
-        tmp.replace(path)
-    finally:
-        tmp.unlink(missing_ok=True)
+    """Write the report whole or not at all, and only over a regular file (verl_npu.atomic): a reader never sees
+    half of it, an old report survives a failure, a device or FIFO named as the report is refused (exit 2)."""
+    from verl_npu import atomic
+
+    atomic.write_text(path, text)

@@ -32,14 +32,14 @@ def _env(text: str) -> tuple[str, str]:
     return name, value
 
 
-def _count(option: str):
+def _count(option: str, maximum: int | None = None):
     """An argparse type: a positive count through verl_npu.inputs (its error, naming the option, is argparse's)."""
 
     def parse(text: str) -> int:
         from verl_npu import inputs
 
         try:
-            return inputs.integer(option, text, minimum=1, maximum=inputs.MAX_DEVICES)
+            return inputs.integer(option, text, minimum=1, maximum=maximum or inputs.MAX_DEVICES)
         except inputs.InputError as exc:
             raise argparse.ArgumentTypeError(str(exc)) from None
 
@@ -62,6 +62,7 @@ def cmd_render(args: argparse.Namespace) -> int:
         chip=args.chip,
         nnodes=args.nnodes,
         npus_per_node=args.npus_per_node,
+        max_nodes=args.max_nodes,
         volumes=tuple(args.pvc) if args.pvc else defaults.DEFAULT_VOLUMES,
         pull_secrets=tuple(args.pull_secret) if args.pull_secret is not None else (defaults.DEFAULT_PULL_SECRET,),
         npu_resource=args.npu_resource,
@@ -83,6 +84,13 @@ def cmd_render(args: argparse.Namespace) -> int:
         preflight=not args.no_preflight,
         manifest=Path(args.manifest),
     )
+    if args.output not in (None, "-") and Path(args.output).parent.is_dir():  # a missing directory is made later
+        from verl_npu import atomic
+
+        why = atomic.output_problem(args.output)  # before the render's preflight: a bad -o costs no work
+        if why is not None:
+            print(f"verl-npu k8s render: -o {args.output}: {why}", file=sys.stderr)
+            return 2
     try:
         docs = render.render(request)
     except render.RenderError as exc:
@@ -105,7 +113,7 @@ def cmd_render(args: argparse.Namespace) -> int:
 
         try:
             write_atomically(Path(args.output), text)
-        except OSError as exc:
+        except (OSError, ValueError) as exc:  # ValueError: atomic.OutputPathError, the path changed kind meanwhile
             print(f"verl-npu k8s render: -o {args.output}: {exc}", file=sys.stderr)
             return 2
         print(f"wrote {args.output}", file=sys.stderr)
@@ -125,7 +133,7 @@ def cmd_validate(args: argparse.Namespace) -> int:
     failed = False
     for name in args.files:
         try:
-            problems = validate.validate_file(Path(name))
+            problems = validate.validate_file(Path(name), args.max_nodes)
         except validate.ManifestError as exc:
             print(f"verl-npu k8s validate: {exc}", file=sys.stderr)
             return 2
@@ -135,6 +143,16 @@ def cmd_validate(args: argparse.Namespace) -> int:
         if not problems:
             print(f"{name}: valid")
     return 1 if failed else 0
+
+
+def _max_nodes_option(parser: argparse.ArgumentParser) -> None:
+    from verl_npu.k8s import defaults
+
+    # a Volcano pod's hostname <job>-worker-<index> has room for a 5-digit index (render._check_name)
+    most = defaults.MAX_NODES_LIMIT
+    parser.add_argument("--max-nodes", type=_count("--max-nodes", most), default=defaults.DEFAULT_MAX_NODES,
+                        help="the most node pods (head included) a job may start: your cluster's nodes "
+                        f"(default {defaults.DEFAULT_MAX_NODES}, Kubernetes' limit for one cluster)")  # fmt: skip
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -174,6 +192,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                        help="nodes, head included (when the env file has no NNODES)")  # fmt: skip
         p.add_argument("--npus-per-node", type=_count("--npus-per-node"),
                        help="NPUs per node (when the env file has no NPUS_PER_NODE)")  # fmt: skip
+        _max_nodes_option(p)
         p.add_argument("--pvc", action="append", type=_pvc, metavar="CLAIM=MOUNT",
                        help="ReadWriteMany claim mounted on every pod at MOUNT (repeatable; default "
                        "verl-npu-cache=/root/.cache)")  # fmt: skip
@@ -232,4 +251,5 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
     p = sub.add_parser("validate", help="check manifests offline: Kubernetes' schemas, ours for RayJob / Volcano Job")
     p.add_argument("files", nargs="+")
+    _max_nodes_option(p)
     p.set_defaults(func=cmd_validate)

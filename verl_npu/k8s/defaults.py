@@ -23,3 +23,9 @@ DEFAULT_SHM_SIZE = "128Gi"  # memory-backed: charged to DEFAULT_MEMORY as it fil
 # runtime creating an empty directory where a file was expected.
 DEFAULT_HOST_DIRECTORIES = ("/usr/local/Ascend/driver", "/usr/local/dcmi")
 DEFAULT_HOST_FILES = ("/usr/local/bin/npu-smi",)
+
+# The most node pods a render writes and `k8s validate` passes (--max-nodes): each pod holds a whole node's NPUs,
+# so a job has at most as many pods as the cluster has nodes, and Kubernetes supports clusters of at most 5,000
+# nodes (its documentation, "Considerations for large clusters"; docs/errors.md). A site lowers it to its own size.
+DEFAULT_MAX_NODES = 5000
+MAX_NODES_LIMIT = 100_000  # --max-nodes itself: pod hostnames <job>-worker-<index> leave room for 5 digits

@@ -1,24 +1,18 @@
-"""Writing outputs: all or nothing."""
+"""Writing outputs: all or nothing, and only over a regular file."""
 
 from __future__ import annotations
 
-import os
-import tempfile
+import contextlib
 from pathlib import Path
+
+from verl_npu import atomic
 
 
 def write_atomically(path: Path, text: str) -> None:
-    """Write ``text`` to ``path`` through a temporary file in the same directory and a rename, so a
-    reader (or a failed run) never sees half a file and an existing file stays until the new one is whole."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        umask = os.umask(0)
-        os.umask(umask)
-        os.fchmod(fd, 0o666 & ~umask)  # mkstemp makes 0600; the result is an ordinary file
-        with os.fdopen(fd, "w", encoding="utf-8") as handle:
-            handle.write(text)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    """Write ``text`` to ``path`` (its missing directories made first) through verl_npu.atomic: a reader or a
+    failed run never sees half a file, an existing file stays until the new one is whole, and a directory, device
+    or FIFO at ``path`` is refused (atomic.OutputPathError), never replaced."""
+    path = Path(path)
+    with contextlib.suppress(OSError):  # a directory that cannot be made: the write names what is in the way
+        path.parent.mkdir(parents=True, exist_ok=True)
+    atomic.write_text(path, text)

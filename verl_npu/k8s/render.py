@@ -44,14 +44,16 @@ from collections.abc import Iterator
 from pathlib import Path, PurePosixPath
 from typing import Any
 
-from verl_npu import inputs
-from verl_npu.envfile import env_file_variables
+from verl_npu import atomic, inputs
+from verl_npu.bounded_read import NotReadable
+from verl_npu.envfile import EnvFile, EnvFileError, assignment_text, read_env_file
 from verl_npu.errors import UserError
 from verl_npu.k8s import validate
 from verl_npu.k8s.defaults import (
     DEFAULT_CPU,
     DEFAULT_HOST_DIRECTORIES,
     DEFAULT_HOST_FILES,
+    DEFAULT_MAX_NODES,
     DEFAULT_MEMORY,
     DEFAULT_NPU_RESOURCE,
     DEFAULT_PULL_SECRET,
@@ -101,8 +103,8 @@ HOST_DIRECTORY, HOST_FILE = "Directory", "File"
 PREFLIGHT_ANNOTATION = "verl-npu/preflight"
 DEADLINE_ANNOTATION = "verl-npu/deadline"
 GiB = 2**30
-_TAG_IMAGE = re.compile(r"^(?P<repo>[a-z0-9.-]+(:\d+)?(/[a-z0-9._-]+)+):(?P<tag>[A-Za-z0-9._-]+)$")
-_REGISTRY = re.compile(r"^[a-z0-9.-]+(:\d+)?(/[a-z0-9._-]+)*$")
+_TAG_IMAGE = re.compile(r"^(?P<repo>[a-z0-9.-]+(:[0-9]+)?(/[a-z0-9._-]+)+):(?P<tag>[A-Za-z0-9._-]+)$")
+_REGISTRY = re.compile(r"^[a-z0-9.-]+(:[0-9]+)?(/[a-z0-9._-]+)*$")
 _RESOURCE_NAME = re.compile(r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?/[A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?$")
 _POSITIVE_INT = re.compile(r"^[1-9][0-9]*$")
 
@@ -133,6 +135,7 @@ class Request:
     chip: str = "a3"
     nnodes: int | None = None
     npus_per_node: int | None = None
+    max_nodes: int = DEFAULT_MAX_NODES  # NNODES above it is refused (defaults.py says why)
     volumes: tuple[tuple[str, str], ...] = DEFAULT_VOLUMES  # (claim, mount path)
     pull_secrets: tuple[str, ...] = (DEFAULT_PULL_SECRET,)
     npu_resource: str = DEFAULT_NPU_RESOURCE
@@ -353,6 +356,19 @@ def _check_volumes(request: Request) -> None:
         if not pure.is_absolute() or str(pure) != path or path == "/" or path in seen:
             raise RenderError(f"{option} {path!r}: give an absolute, normalised path that no other mount uses")
         seen.add(path)
+    for option, value in (
+        *(("--pvc", f"{claim}={mount}") for claim, mount in request.volumes),
+        *(("--host-path" if kind == HOST_DIRECTORY else "--host-file", p) for p, kind in request.host_paths),
+    ):
+        _check_printable(option, value)
+
+
+def _check_printable(option: str, value: str) -> None:
+    """A value written into the manifests' YAML and the node scripts holds no control character: YAML turns a CR
+    or NEL into a newline, and a newline in a path or a script's argument is never what was meant."""
+    bad = next((c for c in value if not c.isprintable()), None)
+    if bad is not None:
+        raise RenderError(f"{option} {value!r}: holds {bad!r} (U+{ord(bad):04X}), a character that is not printable")
 
 
 def _extra_env(request: Request) -> dict[str, str]:
@@ -364,10 +380,12 @@ def _extra_env(request: Request) -> dict[str, str]:
             raise RenderError(
                 f"--env {key}: set by the env file or the renderer's own options (--nnodes, --npus-per-node)"
             )
-        if "'" in value or "\n" in value:
+        try:
+            assignment_text(key, value)  # what the env file in the ConfigMap will say, read back by bash and verl-npu
+        except EnvFileError as exc:
             raise RenderError(
-                f"--env {key}: the value may not hold a single quote or a newline (env files are NAME=VALUE lines)"
-            )
+                f"--env {exc}: the rendered env file could not say it so that bash and the pods read the same value"
+            ) from None
         out[key] = value
     return out
 
@@ -387,12 +405,14 @@ def _ray_pin(request: Request) -> str:
     return ray.version
 
 
-def _read_env_file(request: Request) -> tuple[dict[str, str], str]:
-    if not request.env_file.is_file():
+def _read_env_file(request: Request) -> EnvFile:
+    if not os.path.lexists(request.env_file):
         raise RenderError(f"--env-file {request.env_file}: no such file")
     try:
-        return env_file_variables(str(request.env_file)), request.env_file.read_text(encoding="utf-8")
-    except (ValueError, OSError, UnicodeDecodeError) as exc:
+        return read_env_file(request.env_file)
+    except NotReadable as exc:
+        raise RenderError(f"--env-file {request.env_file}: cannot read: {exc}") from None
+    except EnvFileError as exc:
         raise RenderError(f"--env-file: {exc}") from None
 
 
@@ -411,6 +431,12 @@ def _check_env_keys(request: Request, values: dict[str, str], overrides: dict[st
 
 def _cluster_shape(request: Request, values: dict[str, str]) -> tuple[int, int, str]:
     nnodes = _shape(request, values, "NNODES", request.nnodes, "--nnodes", inputs.MAX_DEVICES)
+    if nnodes > request.max_nodes:
+        raise RenderError(
+            f"NNODES={nnodes} ({request.env_file} or --nnodes): more than --max-nodes {request.max_nodes}, the node "
+            f"pods a render writes (each holds a whole node's NPUs; Kubernetes supports at most {DEFAULT_MAX_NODES} "
+            "nodes per cluster): give the nodes the job runs on, or pass --max-nodes with the nodes your cluster has"
+        )
     npus = _shape(request, values, "NPUS_PER_NODE", request.npus_per_node, "--npus-per-node", inputs.MAX_DEVICES)
     if npus > NPUS_PER_NODE_MAX[request.chip]:
         raise RenderError(
@@ -486,13 +512,19 @@ def _numbers(request: Request) -> _Numbers:
     return _Numbers(memory, shm, ttl, deadline, step, CLUSTER_WAIT_S if startup is None else startup)  # type: ignore[arg-type]
 
 
-def _with_additions(env_text: str, added: dict[str, str]) -> str:
+def _with_additions(env: EnvFile, added: dict[str, str]) -> str:
+    """The env file with ``added`` set: a key the file sets already has its line commented out, so that each key has
+    one line (the reader refuses two: `source` and the pod spec could pick different ones)."""
     if not added:
-        return env_text
-    # later lines win, for `source` (ray_start.sh) and for verl-npu's reader (VERL_NPU_ENV_FILE) alike
+        return env.text
+    lines = env.text.split("\n")
+    for key in added:
+        if key in env.lines:
+            number = env.lines[key]
+            lines[number - 1] = f"# {lines[number - 1].strip()}  (replaced by --env {key}, below)"
     note = "# Added by `verl-npu k8s render`: --env, and the cluster shape when given as flags.\n"
-    env_text = env_text.rstrip("\n") + "\n\n" + note
-    return env_text + "".join(f"{k}={shlex.quote(v)}\n" for k, v in added.items())
+    env_text = "\n".join(lines).rstrip("\n") + "\n\n" + note
+    return env_text + "".join(assignment_text(k, v) + "\n" for k, v in added.items())
 
 
 @contextlib.contextmanager
@@ -501,7 +533,7 @@ def launch_environment(cluster: Cluster) -> Iterator[dict[str, str]]:
     VERL_NPU_ENV_FILE pointing at a copy of the ConfigMap's env file (the launch sources it, as in the pods)."""
     with tempfile.TemporaryDirectory(prefix="verl-npu-render-") as directory:
         env_path = Path(directory) / cluster.env_file_name
-        env_path.write_text(cluster.env_text, encoding="utf-8")
+        atomic.write_text(env_path, cluster.env_text)
         yield {
             **cluster.env,
             "ENV_FILE": str(env_path),
@@ -569,13 +601,16 @@ def resolve(request: Request) -> Cluster:
     numbers = _numbers(request)
     ray_version = _ray_pin(request)
     image = _image(request)
-    values, env_text = _read_env_file(request)
+    env_file = _read_env_file(request)
+    values = env_file.variables
     overrides = _extra_env(request)
     _check_env_keys(request, values, overrides)
     nnodes, npus, port_text = _cluster_shape(request, values)
     _check_volumes(request)
     _check_shared_paths(request, {**values, **overrides})
     _check_pod_options(request)
+    for argument in request.launch_args:
+        _check_printable("launch argument", argument)
 
     launch = _in_repo(request.launch, request.repo, "--launch")
     ray_start = _in_repo(request.ray_start, request.repo, "--ray-start")
@@ -593,7 +628,7 @@ def resolve(request: Request) -> Cluster:
     added = {**{k: v for k, v in shape.items() if k not in values}, **overrides}
     cluster = Cluster(
         request=request, image=image, ray_version=ray_version, nnodes=nnodes, npus_per_node=npus,
-        ray_port=int(port_text), env={**values, **added}, env_file_name=name, env_text=_with_additions(env_text, added),
+        ray_port=int(port_text), env={**values, **added}, env_file_name=name, env_text=_with_additions(env_file, added),
         launch=launch, ray_start=ray_start, trainer_launch=trainer, trainer_args=tuple(trainer_args),
         memory_bytes=numbers.memory_bytes, shm_bytes=numbers.shm_bytes, ttl_s=numbers.ttl_s,
         deadline_s=None, deadline_note="",
@@ -965,7 +1000,7 @@ def render(request: Request) -> list[dict[str, Any]]:
     if request.results_pod:
         docs.append(results_pod(cluster))
     try:
-        problems = validate.validate_documents(docs, "rendered")
+        problems = validate.validate_documents(docs, "rendered", request.max_nodes)
     except validate.ManifestError as exc:  # the schemas are missing (kubernetes-validate not installed)
         raise RenderError(f"cannot validate the manifests: {exc}") from None
     if problems:  # a renderer bug, not a user error: say so

@@ -17,8 +17,10 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from verl_npu.bounded_read import MIB, NotReadable, read_text
 from verl_npu.errors import UserError
 from verl_npu.k8s import schemas
+from verl_npu.k8s.defaults import DEFAULT_MAX_NODES
 
 # KubeRay appends 6 characters to a RayJob's name for its RayCluster, whose services add up to
 # "-serve-svc": a RayJob name is a DNS-1035 label of at most 47 characters (KubeRay's
@@ -33,6 +35,10 @@ CONFIGMAP_KEY = re.compile(r"^[-._a-zA-Z0-9]+$")
 # Resource names outside the kubernetes.io domain (and not cpu/memory/...) are extended resources:
 # the API server requires their requests to equal their limits (they cannot be overcommitted).
 _NATIVE_RESOURCE = re.compile(r"^([a-z0-9-]+|([a-z0-9.-]*\.)?kubernetes\.io/.+|hugepages-.+)$")
+# A rendered RayJob and its ConfigMap are tens of KiB; the cap stops /dev/zero-sized input before the YAML parser.
+MAX_MANIFEST_BYTES = 4 * MIB
+# Kubernetes objects nest about 15 levels deep; the YAML composer and the schema validator recurse per level.
+MAX_DEPTH = 64
 
 
 class ManifestError(UserError):
@@ -156,6 +162,35 @@ def _name_problems(doc: dict[str, Any]) -> Iterator[tuple[str, str]]:
                 yield f"data.{key}", "a ConfigMap key may hold only letters, digits, '-', '_' and '.'"
 
 
+def _node_pods(doc: dict[str, Any]) -> tuple[str, int] | None:
+    """(where, how many) of the node pods a RayJob (its head and every worker replica) or a Volcano Job (every task
+    replica, or minAvailable when larger) starts; None for other kinds."""
+    spec = _dict(doc.get("spec"))
+    if doc.get("kind") == "RayJob":
+        total = 1
+        for group in _list(_dict(spec.get("rayClusterSpec")).get("workerGroupSpecs")):
+            group = _dict(group)
+            replicas = max(_int(group.get("replicas")) or 0, _int(group.get("minReplicas")) or 0)
+            total += replicas * max(_int(group.get("numOfHosts")) or 1, 1)
+        return "spec.rayClusterSpec.workerGroupSpecs", total
+    if doc.get("kind") == "Job":
+        tasks = [_int(_dict(t).get("replicas", 1)) or 0 for t in _list(spec.get("tasks"))]
+        return "spec.tasks", max(sum(tasks), _int(spec.get("minAvailable")) or 0)
+    return None
+
+
+def _size_problems(doc: dict[str, Any], max_nodes: int) -> Iterator[tuple[str, str]]:
+    counted = _node_pods(doc)
+    if counted is not None and counted[1] > max_nodes:
+        where, total = counted
+        yield (
+            where,
+            f"{total} node pods, more than --max-nodes {max_nodes} (each holds a whole node's NPUs; Kubernetes "
+            f"supports at most {DEFAULT_MAX_NODES} nodes per cluster): lower the replicas, or pass --max-nodes with "
+            "the nodes your cluster has",
+        )
+
+
 def _group_problems(doc: dict[str, Any]) -> Iterator[tuple[str, str]]:
     """Rules of KubeRay's and Volcano's own validation across the fields of a group or task."""
     spec = _dict(doc.get("spec"))
@@ -236,7 +271,7 @@ def _pod_problems(path: str, pod: dict[str, Any]) -> Iterator[tuple[str, str]]:
         yield f"{path}.containers", f"container name {name!r} is used twice"
 
 
-def validate_document(doc: Any, label: str) -> list[Problem]:
+def validate_document(doc: Any, label: str, max_nodes: int = DEFAULT_MAX_NODES) -> list[Problem]:
     """Problems of one parsed document; raises ManifestError for a document of an unknown kind."""
     if not isinstance(doc, dict):
         raise ManifestError(f"{label}: a Kubernetes object must be a mapping, found {type(doc).__name__}")
@@ -253,33 +288,62 @@ def validate_document(doc: Any, label: str) -> list[Problem]:
     ]
     problems += [Problem(document, p, m) for p, m in _name_problems(doc)]
     problems += [Problem(document, p, m) for p, m in _group_problems(doc)]
+    problems += [Problem(document, p, m) for p, m in _size_problems(doc, max_nodes)]
     for path, pod in pod_templates(doc):
         problems += [Problem(document, p, m) for p, m in _pod_problems(path, pod)]
     return problems
+
+
+def _loader():
+    """PyYAML's safe loader without aliases (a few lines of ``*alias`` make a document the validator walks in
+    exponential time; manifests never need one) and with a nesting bound (its composer recurses per level)."""
+    import yaml
+
+    class Loader(yaml.SafeLoader):
+        depth = 0
+
+        def compose_node(self, parent, index):
+            if self.check_event(yaml.AliasEvent):
+                mark = self.peek_event().start_mark
+                raise ManifestError(f"line {mark.line + 1}: a YAML alias: write the value out (manifests need none)")
+            self.depth += 1
+            try:
+                if self.depth > MAX_DEPTH:
+                    mark = self.peek_event().start_mark
+                    raise ManifestError(f"line {mark.line + 1}: nested more than {MAX_DEPTH} levels deep")
+                return super().compose_node(parent, index)
+            finally:
+                self.depth -= 1
+
+    return Loader
 
 
 def load_documents(text: str, source: str) -> list[Any]:
     import yaml
 
     try:
-        docs = [d for d in yaml.safe_load_all(text) if d is not None]
+        docs = [d for d in yaml.load_all(text, Loader=_loader()) if d is not None]
     except yaml.YAMLError as exc:
         raise ManifestError(f"{source}: not valid YAML: {exc}") from None
+    except ManifestError as exc:
+        raise ManifestError(f"{source}: {exc}") from None
     if not docs:
         raise ManifestError(f"{source}: no Kubernetes documents in the file")
     return docs
 
 
-def validate_documents(docs: list[Any], source: str) -> list[Problem]:
+def validate_documents(docs: list[Any], source: str, max_nodes: int = DEFAULT_MAX_NODES) -> list[Problem]:
     problems = []
     for index, doc in enumerate(docs, start=1):
-        problems += validate_document(doc, f"{source} #{index}")
+        problems += validate_document(doc, f"{source} #{index}", max_nodes)
     return problems
 
 
-def validate_file(path: Path) -> list[Problem]:
+def validate_file(path: Path, max_nodes: int = DEFAULT_MAX_NODES) -> list[Problem]:
+    """Problems of the manifests in ``path``; ManifestError when it is not read (not a regular file, larger than
+    MAX_MANIFEST_BYTES, not UTF-8: at once, never blocking) or not Kubernetes documents."""
     try:
-        text = Path(path).read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as exc:
+        text = read_text(path, MAX_MANIFEST_BYTES)
+    except NotReadable as exc:
         raise ManifestError(f"{path}: cannot read: {exc}") from None
-    return validate_documents(load_documents(text, str(path)), str(path))
+    return validate_documents(load_documents(text, str(path)), str(path), max_nodes)

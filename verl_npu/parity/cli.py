@@ -23,27 +23,29 @@ DEFAULT_REFERENCE = REPO_ROOT / "ci" / "baselines" / "parity" / "reference.json"
 
 
 def _output(option: str, value: str | None, formats: tuple[str, ...] = ()) -> Path | None:
-    """An output file, checked before any work: its directory exists and is writable, and (``formats``) its
-    suffix names one of them."""
+    """An output file, checked before any work: a regular file or a new one in a writable directory (a directory,
+    device or FIFO is never replaced: verl_npu.atomic), and (``formats``) its suffix names one of them."""
     if value is None:
         return None
-    from verl_npu.atomic import writable_directory
+    from verl_npu.atomic import output_problem
     from verl_npu.inputs import InputError
 
-    why = writable_directory(value)
+    why = output_problem(value)
     if why is not None:
-        raise InputError(option, value, f"a file in an existing, writable directory ({why})")
+        raise InputError(option, value, f"a regular file, or a new one, in a writable directory ({value}: {why})")
     if formats and Path(value).suffix.lower().lstrip(".") not in formats:
         raise InputError(option, value, f"a file name ending in one of .{', .'.join(formats)}")
-    if Path(value).is_dir():
-        raise InputError(option, value, "a file name (it is a directory)")
     return Path(value)
 
 
 def cmd_run(args: argparse.Namespace) -> int:
+    from verl_npu import inputs
     from verl_npu.parity import job
 
-    options = job.RunOptions(models=tuple(args.model or job.DEFAULT_MODELS), dtype=args.dtype, steps=args.steps,
+    # the option's text, read by verl_npu.inputs (ASCII digits): argparse's type=int also reads other scripts'
+    # digits (Arabic-Indic, full-width) and '1_6'
+    steps = inputs.integer("--steps", args.steps, minimum=1, maximum=job.MAX_STEPS)
+    options = job.RunOptions(models=tuple(args.model or job.DEFAULT_MODELS), dtype=args.dtype, steps=steps,
                              path=args.path)  # fmt: skip
     out = _output("--out", args.out)
     result = job.run(options)
@@ -102,7 +104,7 @@ def cmd_reference(args: argparse.Namespace) -> int:
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    from verl_npu.parity.job import DEFAULT_STEPS, DTYPES, PATHS
+    from verl_npu.parity.job import DEFAULT_STEPS, DTYPES, MAX_STEPS, PATHS
 
     parity = sub.add_parser("parity", help="the platform-parity job and its comparison with the CUDA reference")
     parity_sub = parity.add_subparsers(dest="parity_command", required=True)
@@ -110,7 +112,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--model", action="append", help=f"a parity model (repeatable): {', '.join(MODELS)}")
     p.add_argument("--dtype", choices=DTYPES, default="fp32")
     p.add_argument("--path", choices=PATHS, default="default", help="the operators (default: the platform's)")
-    p.add_argument("--steps", type=int, default=DEFAULT_STEPS, help="training steps")
+    p.add_argument("--steps", default=DEFAULT_STEPS, help=f"training steps (1 to {MAX_STEPS})")
     p.add_argument("--out", required=True, metavar="FILE")
     p.set_defaults(func=cmd_run)
     p = parity_sub.add_parser("compare", help="a run against the reference (or another run); exit 1 on a mismatch")

@@ -7,6 +7,8 @@ overlap of the selected key sets, per stored query row); and the activation chec
 The first checksum point out of tolerance, by depth in the forward pass, localises the fault. Anything missing,
 malformed, empty or not finite fails: a comparison never passes on what it could not compare. One exception is
 said as a warning: an Ascend run whose indexer ran inside MindSpeed's fused kernel has no indexer q/k checksums.
+Nor is one of two values chosen: a key given twice in one JSON object is refused (``json.loads`` keeps the last), and
+a run's ``steps`` must be a JSON integer from 1 that each model's losses and gradient norms match.
 
 The tolerances (:func:`errors`, :func:`tolerances`; ``verl-npu parity reference`` records them). A legitimate
 implementation X (another platform, another kernel) and the reference R both approximate the exact result T, so
@@ -33,7 +35,6 @@ the same tolerances; on Ascend the fused and the portable run, so a failure poin
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 import re
 from collections.abc import Mapping, Sequence
@@ -43,7 +44,8 @@ from typing import Any
 from verl_npu.bounded_read import MIB, NotReadable, read_bytes
 from verl_npu.checks import FAIL, OK, WARN, Check
 from verl_npu.errors import UserError
-from verl_npu.parity.job import DTYPES, FORMAT
+from verl_npu.inputs import DuplicateKey, loads_json
+from verl_npu.parity.job import DTYPES, FORMAT, MAX_STEPS, RUN_KIND
 from verl_npu.parity.probes import STATISTICS
 
 REFERENCE_KIND = "verl-npu parity reference"
@@ -52,7 +54,7 @@ TRIANGLE = 2.0  # default mode: |X - R| <= |X - T| + |R - T| <= 2 |R - T| (modul
 UNIT_ROUNDOFF = {"bf16": 2.0**-8, "fp32": 2.0**-24, "fp64": 2.0**-53}
 PRECISE = {"bf16": "fp32", "fp32": "fp64"}  # the precision each dtype's error is measured against
 MODES = ("reference", "pair", "exact")
-POINT = re.compile(r"mb(\d+)/(embedding|final_layernorm|logits|layers\.(\d+)(\.[a-z_]+)*)(#\d+)?")
+POINT = re.compile(r"mb([0-9]+)/(embedding|final_layernorm|logits|layers\.([0-9]+)(\.[a-z_]+)*)(#[0-9]+)?")
 FUSED_INDEXER_POINTS = (".indexer.q", ".indexer.k")
 
 
@@ -89,21 +91,38 @@ def _index(where: str, value: Any) -> int:
     return value
 
 
+def _kind_and_format(where: str, data: Mapping[str, Any], kind: str) -> None:
+    if data.get("kind") != kind:
+        raise ParityCompareError(f"{where}: kind={data.get('kind')!r}: expected {kind!r}")
+    if type(data.get("format")) is not int or data["format"] != FORMAT:
+        raise ParityCompareError(f"{where}: format={data.get('format')!r}: this verl-npu reads format {FORMAT}")
+
+
+def run_steps(run: Mapping[str, Any]) -> int:
+    """The training steps a run says it recorded: a JSON integer from 1 (a run of no steps compares nothing)."""
+    steps = run.get("steps")
+    if isinstance(steps, bool) or not isinstance(steps, int) or not 1 <= steps <= MAX_STEPS:
+        raise ParityCompareError(f"{run.get('_path', 'run')}: steps={steps!r}: expected a JSON integer from 1 to "
+                                 f"{MAX_STEPS} (the training steps the run recorded)")  # fmt: skip
+    return steps
+
+
 def load(path: str | Path, kind: str) -> dict[str, Any]:
     """A parity run or reference file (``kind``), read bounded and checked for its kind and format."""
     path = Path(path)
     try:
-        data = json.loads(read_bytes(path, MAX_FILE_BYTES).decode("utf-8"))
+        data = loads_json(read_bytes(path, MAX_FILE_BYTES).decode("utf-8"))
     except NotReadable as exc:
         raise ParityCompareError(f"{path}: cannot read it ({exc})") from None
+    except DuplicateKey as exc:
+        raise ParityCompareError(f"{path}: {exc}") from None
     except (UnicodeDecodeError, ValueError, RecursionError) as exc:
         raise ParityCompareError(f"{path}: not a JSON file ({exc})") from None
     data = dict(_mapping(str(path), data))
-    if data.get("kind") != kind:
-        raise ParityCompareError(f"{path}: kind={data.get('kind')!r}: expected {kind!r}")
-    if type(data.get("format")) is not int or data["format"] != FORMAT:
-        raise ParityCompareError(f"{path}: format={data.get('format')!r}: this verl-npu reads format {FORMAT}")
+    _kind_and_format(str(path), data, kind)
     data["_path"] = str(path)
+    if kind == RUN_KIND:
+        run_steps(data)
     return data
 
 
@@ -202,8 +221,10 @@ def model_values(run: Mapping[str, Any], model: str) -> ModelValues:
     after = _mapping(f"{where}.after_training", m.get("after_training"))
     losses = _series(f"{where}.train.losses", train.get("losses"))
     grad_norms = _series(f"{where}.train.grad_norms", train.get("grad_norms"))
-    if len(losses) != len(grad_norms):
-        raise ParityCompareError(f"{where}.train: {len(losses)} losses but {len(grad_norms)} gradient norms")
+    steps = run_steps(run)
+    if not len(losses) == len(grad_norms) == steps:
+        raise ParityCompareError(f"{where}.train: {len(losses)} losses and {len(grad_norms)} gradient norms for "
+                                 f"steps={steps}: one of each per step")  # fmt: skip
     return ModelValues(
         logprobs=_logprobs(f"{where}.eval.logprobs", evaluation.get("logprobs")),
         after_logprobs=_logprobs(f"{where}.after_training.logprobs", after.get("logprobs")),
@@ -509,7 +530,10 @@ def reference_run(ref: Mapping[str, Any], dtype: str) -> dict[str, Any]:
     runs = _mapping(f"{ref.get('_path')}: runs", ref.get("runs"))
     if dtype not in runs:
         raise ParityCompareError(f"{ref.get('_path')}: no {dtype} run (it has {', '.join(runs)})")
-    return {**_mapping(f"{ref.get('_path')}: runs.{dtype}", runs[dtype]), "_path": f"{ref.get('_path')}#runs.{dtype}"}
+    run = {**_mapping(f"{ref.get('_path')}: runs.{dtype}", runs[dtype]), "_path": f"{ref.get('_path')}#runs.{dtype}"}
+    _kind_and_format(f"{ref.get('_path')}: runs.{dtype}", run, RUN_KIND)
+    run_steps(run)
+    return run
 
 
 def compare(

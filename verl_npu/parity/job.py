@@ -54,6 +54,7 @@ FORMAT = 1
 DTYPES = ("bf16", "fp32", "fp64")
 PATHS = ("default", "portable", "fused")
 DEFAULT_STEPS = 3
+MAX_STEPS = 100  # a run records every step's loss and gradient norm per model: a few steps say what parity needs
 LEARNING_RATE = 1e-3
 # MindSpeed's four DSA switches (they go on together: verl_npu/contracts/mindspeed.py)
 FUSED_DSA_FLAGS = ("use_dsa_absorb", "use_fused_lightning_indexer", "use_fused_sparse_flash_attention",
@@ -79,7 +80,7 @@ class RunOptions:
             raise ParityError(f"--model {', '.join(unknown) or '(none)'}: choose from {', '.join(MODELS)}")
         inputs.choice("--dtype", self.dtype, DTYPES)
         inputs.choice("--path", self.path, PATHS)
-        inputs.integer("--steps", self.steps, minimum=1, maximum=100)
+        inputs.integer("--steps", self.steps, minimum=1, maximum=MAX_STEPS)
 
 
 # --- the platform -------------------------------------------------------------------------------------------------

@@ -290,14 +290,18 @@ def write_checkpoint(model: ParityModel, path: str | Path) -> Path:
     import torch
     from safetensors.torch import save_file
 
+    from verl_npu import atomic
+
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     tensors = {}
     for name, (shape, kind) in checkpoint_tensors(model).items():
         dtype = torch.float32 if name.endswith("e_score_correction_bias") else torch.bfloat16
         tensors[name] = torch.from_numpy(_values(name, shape, kind)).to(dtype).contiguous()
-    save_file(tensors, str(path / "model.safetensors"), {"format": "pt"})
-    (path / "config.json").write_text(json.dumps(model.config, indent=2, sort_keys=True) + "\n")
+    atomic.write_with(
+        path / "model.safetensors", lambda temporary: save_file(tensors, str(temporary), {"format": "pt"})
+    )
+    atomic.write_text(path / "config.json", json.dumps(model.config, indent=2, sort_keys=True) + "\n")
     return path
 
 

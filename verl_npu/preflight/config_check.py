@@ -351,6 +351,26 @@ def needs_critic(config: Any) -> bool:
     return config.algorithm.adv_estimator == "gae"
 
 
+# the values verl's validate_config multiplies and divides before it checks them (verl/utils/config.py)
+_VALIDATE_CONFIG_OPERANDS = (
+    "trainer.n_gpus_per_node",
+    "trainer.nnodes",
+    "data.train_batch_size",
+    "actor_rollout_ref.rollout.n",
+    "actor_rollout_ref.actor.megatron.tensor_model_parallel_size",
+    "actor_rollout_ref.actor.megatron.pipeline_model_parallel_size",
+    "actor_rollout_ref.actor.megatron.context_parallel_size",
+    "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu",
+    "actor_rollout_ref.actor.ppo_mini_batch_size",
+)
+
+
+def _null_operands(config) -> list[str]:
+    from omegaconf import OmegaConf
+
+    return [key for key in _VALIDATE_CONFIG_OPERANDS if OmegaConf.select(config, key, default=0) is None]
+
+
 def validate_with_verl(config: Any) -> list[Check]:
     """verl's own validation: ``validate_config`` plus the role dataclasses' ``__post_init__`` checks."""
     import contextlib
@@ -388,8 +408,13 @@ def validate_with_verl(config: Any) -> list[Check]:
                 warnings.simplefilter("ignore")
                 run()
         except (AssertionError, ValueError, TypeError, KeyError, HydraException, OmegaConfBaseException) as exc:
-            text = str(exc).strip() or type(exc).__name__
-            checks.append(Check("config.verl-validation", FAIL, f"{name}: {text}"))
+            unset = _null_operands(config) if isinstance(exc, TypeError) and "NoneType" in str(exc) else []
+            for key in unset:  # the key, not Python's "unsupported operand type(s) ... 'NoneType'"
+                msg = f"{key} is not set (null), and {name} computes with it: set {key}=N in the launch"
+                checks.append(Check("config.value", FAIL, msg))
+            if not unset:
+                text = str(exc).strip() or type(exc).__name__
+                checks.append(Check("config.verl-validation", FAIL, f"{name}: {text}"))
         except OSError as exc:  # e.g. the model path is not on this machine
             checks.append(Check("config.verl-validation", WARN, f"{name}: not checked here ({exc})"))
         except Exception as exc:

@@ -3,7 +3,9 @@
 The static shell evaluator (``preflight.shell``) reads the script; this module recognises the trainer command in
 it (``python -m verl.trainer.main_ppo``, also through ``$PYTHON``, ``env A=1 python ...``, functions and sourced
 files). The result is the Hydra override list exactly as the trainer would receive it, the environment it would
-see, and findings for launch bugs (extra arguments piped into ``tee``, unset variables, no or several trainers).
+see, and findings for launch bugs (extra arguments piped into ``tee``, unset variables, no or several trainers, a
+trainer bash never reaches or reaches only by a condition preflight cannot evaluate, a key set twice by brace
+expansion).
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from pathlib import Path
 from tree_sitter import Node
 
 from verl_npu.errors import UserError
+from verl_npu.preflight.flow import NO, UNKNOWN, decide
 from verl_npu.preflight.shell import (
     CHAINS,
     NAME,
@@ -34,7 +37,7 @@ from verl_npu.preflight.shell import (
 __all__ = ["TRAINER_MODULE", "Finding", "Launch", "LaunchError", "launch_from_overrides", "read_launch_script"]
 
 TRAINER_MODULE = "verl.trainer.main_ppo"
-_PYTHON = re.compile(r"(?:.*/)?python(?:\d+(?:\.\d+)?)?")
+_PYTHON = re.compile(r"(?:.*/)?python(?:[0-9]+(?:\.[0-9]+)?)?")
 
 
 class LaunchError(UserError):
@@ -122,13 +125,19 @@ class _TrainerReader(StaticShell):
         return None
 
     def _trainer(self, node: Node, words: list[str], found, prefix: list[Node], ctx: Taint, block) -> None:
+        line = node_line(node)
+        verdict, cond = decide(list(block.conds) if block is not None else self.conditions, "trainer")
+        if verdict == NO and cond is not None:
+            msg = f"the trainer command at line {line} never runs: it needs `{cond.text}` (line {cond.line}) to "
+            self.unreached.append((line, msg + f"{'succeed' if cond.need else 'fail'}, and it never does"))
+            return
         env = {n: scalar(v) for n, v in self.vars.items() if n in self.exported}
         for a in prefix:
             value = a.child_by_field_name("value")
             env[node_text(a.child_by_field_name("name"))] = join_pieces(self._pieces(value, ctx)) if value else ""
         if words[0] == "env":  # env A=1 python -m ...
             env |= dict(w.split("=", 1) for w in words[1 : found[0]] if NAME.match(w) and "=" in w)
-        passthrough, line = tuple(self.args) if ctx.passthrough else (), node_line(node)
+        passthrough = tuple(self.args) if ctx.passthrough else ()
         variables = {k: scalar(v) for k, v in self.vars.items()}
         launch = Launch("", TRAINER_MODULE, None, (), passthrough, env, variables, (), line)
         self.trainers.append(_with_config(launch, words[found[1] :], list(self.placeholders)))
@@ -147,10 +156,35 @@ class _TrainerReader(StaticShell):
                 self.report("warning", "unresolved", at, msg + ": the trainer may see another value")
             else:
                 self.report("warning", "unresolved", at, msg + f", and not before it: the trainer gets <${name}>")
-        if block is not None:
-            msg = f"the trainer command is inside {block[0]} (line {block[1]}); it was read as if the block runs"
+        if verdict == UNKNOWN and cond is not None:
+            why = f" ({cond.why})" if cond.why else ": it is the status of a command that preflight does not run"
+            msg = f"whether the trainer (line {line}) runs depends on `{cond.text}` (line {cond.line}), which "
+            msg += f"preflight cannot evaluate{why}; it was read as if it runs. Make the condition one preflight "
+            msg += "can evaluate (give the variables it reads with --env NAME=VALUE), or run the trainer outside it"
+            self.report("error", "conditional", cond.line, msg)
+        elif block is not None:
+            msg = f"the trainer command is inside {block.what} (line {block.line}); it was read as if the block runs"
             self.report("warning", "unresolved", line, msg + ", with the variables as they are before it")
+        for at, msg, guard in self.maybe_exits:
+            if guard:  # the job fails visibly if it does: a check of the node, not a silent skip of the training
+                msg += f"; if it does, the job fails there and the trainer (line {line}) does not run"
+                self.report("warning", "guard", at, msg)
+                continue
+            msg += f"; if it does, the trainer (line {line}) never runs. Make the condition one preflight can "
+            self.report("error", "conditional", at, msg + "evaluate (give the variables it reads with --env)")
+        self._check_braces(ctx, words[found[1] :])
         self._check_tee(node)
+
+    def _check_braces(self, ctx: Taint, overrides: list[str]) -> None:
+        """A word that brace expansion turned into overrides of one key twice (``key={64,128}``)."""
+        keys = [o.partition("=")[0].lstrip("+~") for o in overrides if "=" in o]
+        for (at, text), fields in ctx.braced.items():
+            twice = sorted({k for f in fields if (k := f.partition("=")[0].lstrip("+~")) and keys.count(k) > 1})
+            if twice:
+                msg = f"line {at}: bash's brace expansion makes {_short_words(fields)} of `{text}`, so the trainer "
+                msg += f"gets {', '.join(twice)} more than once; quote the word ('{text}') to pass the braces "
+                msg += "literally, or write a Hydra list (key=[a,b])"
+                self.report("error", "brace-expansion", at, msg)
 
     def _check_tee(self, cmd: Node) -> None:
         """ "$@" given to a command piped from (or chained after) the trainer never reaches the trainer."""
@@ -174,7 +208,19 @@ class _TrainerReader(StaticShell):
                     self.report("error", "args-to-tee", node_line(arg), msg)
 
     def launch(self, source: str, data: bytes) -> Launch:
-        if not self.trainers:
+        if not self.trainers and (self.unreached or self.exited):
+            if self.unreached:
+                at, msg = self.unreached[-1]
+            else:
+                at, text = self.exited or (None, "")
+                msg = f"the script ends at line {at} (`{text}`) before any command runs the trainer"
+                if (named := data.find(TRAINER_MODULE.encode())) >= 0:
+                    msg += f" (it is named at line {data[:named].count(b'\n') + 1})"
+            self.report("error", "not-reached", at, msg)
+            variables = {n: scalar(v) for n, v in self.vars.items()}
+            env = {n: v for n, v in variables.items() if n in self.exported}
+            self.trainers.append(Launch("", None, None, (), (), env, variables, (), None))
+        elif not self.trainers:
             msg = f"no command in {source} runs `python -m {TRAINER_MODULE}` (searched python, python3, pythonX.Y, "
             msg += "/path/to/python and $PYTHON-style commands, sourced files and called functions)"
             if (at := data.find(TRAINER_MODULE.encode())) >= 0:
@@ -188,6 +234,11 @@ class _TrainerReader(StaticShell):
             msg = f"the trainer is started {len(self.trainers)} times (lines {lines}); preflight checks the last one"
             self.report("warning", "multiple-trainers", last, msg)
         return replace(self.trainers[-1], source=source, findings=tuple(dict.fromkeys(self.findings)))
+
+
+def _short_words(words: Sequence[str], limit: int = 4) -> str:
+    shown = " ".join(words[:limit])
+    return shown + (f" ... ({len(words)} words)" if len(words) > limit else "")
 
 
 def read_launch_script(path: str | Path, args: Sequence[str] = (), env: Mapping[str, str] | None = None) -> Launch:

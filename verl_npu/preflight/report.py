@@ -133,9 +133,10 @@ PLOT_FORMATS = ("png", "pdf", "svg", "svgz", "eps", "ps", "jpg", "jpeg", "tif", 
 
 
 def output_path(option: str, value: str, *, plot: bool = False) -> Path:
-    """A file preflight will write (``--json``, ``--plot``), checked before any work: its directory exists and is
-    writable, it is not a directory, and a plot's suffix names a format. Raises InputError naming the option."""
-    from verl_npu.atomic import writable_directory
+    """A file preflight will write (``--json``, ``--plot``), checked before any work: a regular file or a new one
+    (verl_npu.atomic.output_problem) in a writable directory, and a plot's suffix names a format. Raises InputError
+    naming the option."""
+    from verl_npu.atomic import output_problem
     from verl_npu.bounded_read import NotReadable, expand_user
     from verl_npu.inputs import InputError
 
@@ -143,11 +144,9 @@ def output_path(option: str, value: str, *, plot: bool = False) -> Path:
         path = expand_user(value)
     except NotReadable as exc:
         raise InputError(option, value, f"a path ({exc})") from None
-    why = writable_directory(path)
+    why = output_problem(path)
     if why is not None:
-        raise InputError(option, value, f"a file in an existing, writable directory ({why})")
-    if path.is_dir():
-        raise InputError(option, value, "a file name (it is a directory)")
+        raise InputError(option, value, f"a regular file, or a new one, in a writable directory ({path}: {why})")
     if plot and path.suffix.lower().lstrip(".") not in PLOT_FORMATS:
         raise InputError(option, value, f"a file name ending in one of .{', .'.join(PLOT_FORMATS)}")
     return path

@@ -9,6 +9,13 @@ Static on purpose: the scripts it reads may start Ray, write files or submit job
 What only running a command would tell (``$(...)``, values assigned under ``if`` or in loops) is kept as a visible
 placeholder such as ``<$(uname -m)>`` and reported; :attr:`StaticShell.placeholders` lists every one made.
 
+Read as bash runs it: a carriage return (CRLF) and a blank after a line-continuation backslash change what bash
+runs, so each is an error finding naming its line (the text is then read as its author meant it); words are
+brace-expanded as bash does (:mod:`verl_npu.preflight.braces`); ``exit``, ``return`` and ``exec`` end the script,
+function or file where they run, and the conditions of ``if``, ``case``, loops and ``&&``/``||`` are evaluated where
+preflight knows them (:mod:`verl_npu.preflight.flow`), so a recognised command or an exit under a condition is
+judged reached, never reached, or unknown.
+
 Bounded on purpose too, since a script is input from outside: arithmetic is bash's 64-bit arithmetic with a depth
 limit (:mod:`verl_npu.preflight.arith`), a value longer than :data:`MAX_VALUE_CHARS` (or an array of more than
 :data:`MAX_ARRAY_ITEMS`) becomes a placeholder, evaluation stops after :data:`MAX_STEPS` statements, and ``source``
@@ -31,7 +38,9 @@ import tree_sitter_bash
 from tree_sitter import Language, Node, Parser
 
 from verl_npu.bounded_read import NotReadable, read_bytes
+from verl_npu.preflight import braces
 from verl_npu.preflight.arith import Arith, ArithError, Limit
+from verl_npu.preflight.flow import NO, UNKNOWN, Cond, Flow, Unknown, decide
 
 NAME = re.compile(r"[A-Za-z_]\w*")
 # $(dirname "$0") and $(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd) name the script's own folder: known statically.
@@ -69,6 +78,26 @@ class _Abandoned(Exception):
 
 class TooLarge(Exception):
     """A word or value would hold more than MAX_VALUE_CHARS characters (raised before it is joined)."""
+
+
+class _Exit(Exception):
+    """``exit`` (or ``exec`` of another program) ran: bash ends the script, whatever file or function it is in."""
+
+    def __init__(self, line: int, text: str, status: int = 0) -> None:
+        super().__init__(text)
+        self.line, self.text, self.status = line, text, status
+
+
+class _Return(_Exit):
+    """``return`` ran in a function or a sourced file: bash leaves that function or file."""
+
+
+# the end of a line as bash reads it otherwise than it looks: `\` then spaces or tabs (an escaped blank, no line
+# continuation: the command ends there)
+_BLANK_AFTER_BACKSLASH = re.compile(rb"(?<!\\)(?:\\\\)*\\([ \t]+)(?=\n)")
+# where a backslash at the end of a line is text, not bash syntax
+_TEXT_NODES = {"comment", "raw_string", "string", "ansi_c_string", "heredoc_body", "heredoc_content", "heredoc_end"}
+_LEAVING = ("exit", "return", "exec")
 
 
 def _bounded(pieces: Pieces) -> Pieces:
@@ -145,6 +174,7 @@ class Taint:
         self.unset: dict[tuple[str, int, bool], None] = {}  # (name, line, under set -u)
         self.uncertain: dict[tuple[str, int, str], None] = {}  # (name, line, block)
         self.required: list[tuple[str, str, int]] = []  # ${X:?msg} that fired: (name, msg, line)
+        self.braced: dict[tuple[int, str], tuple[str, ...]] = {}  # (line, word) -> the words brace expansion made
         self.passthrough = False
 
     def merge(self, other: Taint | None) -> None:
@@ -152,6 +182,7 @@ class Taint:
             self.unknown |= other.unknown
             self.unset |= other.unset
             self.uncertain |= other.uncertain
+            self.braced |= other.braced
             self.passthrough |= other.passthrough
 
 
@@ -171,6 +202,18 @@ def node_text(node: Node) -> str:
 def _unescape(s: str, quoted: bool) -> str:
     pattern = r'\\([$`"\\\n])' if quoted else r"\\(.)"
     return re.sub(pattern, lambda m: "" if m[1] == "\n" else m[1], s, flags=re.S)
+
+
+def _unquoted(s: str, lit: str) -> Pieces:
+    """Unquoted script text: a backslash-escaped character is quoted (no brace, glob or split applies to it)."""
+    out: Pieces = []
+    for i, part in enumerate(re.split(r"\\(.)", s, flags=re.S)):
+        if i % 2:
+            if part != "\n":  # backslash-newline is a line continuation: nothing
+                out.append((QUOTED, part))
+        elif part:
+            out.append((lit, part))
+    return out
 
 
 def _ansi(m: re.Match) -> str:
@@ -261,7 +304,17 @@ def descendants(node: Node, kind: str) -> Iterator[Node]:
             stack.extend(reversed(child.named_children))
 
 
-class StaticShell:
+@dataclass(frozen=True)
+class Block:
+    """A block preflight does not run, around a command it looks at: what it is, its line, the conditions on the
+    command's path (verl_npu.preflight.flow)."""
+
+    what: str
+    line: int
+    conds: tuple[Cond, ...]
+
+
+class StaticShell(Flow):
     def __init__(self, path: Path, args: Sequence[str], env: Mapping[str, str]) -> None:
         self.main = self.file = path
         self.vars: dict[str, str | list[str]] = dict(env)
@@ -269,7 +322,13 @@ class StaticShell:
         self.taint: dict[str, Taint] = {}
         self.uncertain: dict[str, tuple[int, str]] = {}  # assigned in an unevaluated block: (line, block)
         self.args = list(args)
-        self.nounset = self.allexport = self.probing = False
+        self.nounset = self.allexport = self.errexit = self.pipefail = self.probing = False
+        self.in_condition = 0  # evaluating the left side of && or ||, where set -e does not apply
+        self.conditions: list[Cond] = []  # of the && / || lists being evaluated around the current command
+        # (line, message, guard): an exit preflight cannot decide; a guard fails the run (exit N, N != 0)
+        self.maybe_exits: list[tuple[int, str, bool]] = []
+        self.exited: tuple[int, str] | None = None  # (line, text) of the exit that ended the script
+        self.unreached: list[tuple[int, str]] = []  # (line, message): commands recognised where bash never runs
         self.functions: dict[str, tuple[Node, Path]] = {}
         self.active: list[object] = []  # files being sourced and functions running: recursion guard
         self.findings: list[Finding] = []
@@ -303,10 +362,10 @@ class StaticShell:
     # statements
 
     def run_file(self, path: Path, data: bytes) -> None:
-        tree = _parser().parse(data)
         outer, self.file = self.file, path
         self.active.append(_resolved(path))
         try:
+            tree = _parser().parse(self._as_meant(path, data))
             for bad in self._errors(tree.root_node) if tree.root_node.has_error else ():
                 msg = f"line {node_line(bad)} is not valid bash (near {node_text(bad).split(chr(10))[0][:40]!r}); "
                 msg += f"{self.TARGET} may be misread: check it with `bash -n`"
@@ -314,6 +373,12 @@ class StaticShell:
             for statement in tree.root_node.named_children:
                 with contextlib.suppress(_Abandoned):  # bash goes on with the file's next top-level command
                     self._stmt(statement)
+        except _Return:  # from a sourced file's top level (the main script's is refused in _leave)
+            pass
+        except _Exit as exc:
+            if len(self.active) > 1:  # a sourced file: the exit ends the script that sourced it too
+                raise
+            self.exited = (exc.line, exc.text)
         except RecursionError:  # constructs nested thousands deep: the rest of this file is not evaluated
             msg = f"could not evaluate {path.name}: its constructs nest deeper than preflight follows; "
             msg += f"{self.TARGET} may be misread"
@@ -321,6 +386,40 @@ class StaticShell:
         finally:
             self.file = outer
             self.active.pop()
+
+    def _as_meant(self, path: Path, data: bytes) -> bytes:
+        """The script as its author meant it, with a finding for each place where bash reads it otherwise: line ends
+        with a carriage return (CRLF), and a line-continuation backslash followed by a space or tab."""
+        if b"\r" in data:
+            lines = [i + 1 for i, text in enumerate(data.split(b"\n")) if b"\r" in text]
+            shown = ", ".join(map(str, lines[:5])) + (f" and {len(lines) - 5} more" if len(lines) > 5 else "")
+            msg = f"line{'s' if len(lines) > 1 else ''} {shown} hold{'' if len(lines) > 1 else 's'} a carriage return "
+            msg += "(CRLF line endings, as a Windows editor saves them): bash reads it as part of the line, so "
+            msg += "`set -o pipefail` fails as an invalid option name, a `\\` before it continues no line (the "
+            msg += "command ends there) and the last word of each line ends in a CR; preflight read the file without "
+            msg += f"them. Convert it: dos2unix {path} (or sed -i 's/\\r$//' {path})"
+            self.report("error", "crlf", lines[0], msg)
+            data = data.replace(b"\r\n", b"\n")
+        if not _BLANK_AFTER_BACKSLASH.search(data):
+            return data
+        root, cuts = _parser().parse(data).root_node, []
+        for m in _BLANK_AFTER_BACKSLASH.finditer(data):
+            node = root.descendant_for_byte_range(m.start(1) - 1, m.start(1))
+            while node is not None and node.type not in _TEXT_NODES:
+                node = node.parent
+            if node is not None:  # inside quotes, a comment or a here-document: text, not a continuation
+                continue
+            line = data[: m.start()].count(b"\n") + 1
+            blank = "a tab" if m[1] == b"\t" else "a space" if m[1] == b" " else "spaces or tabs"
+            msg = f"line {line}: the `\\` at its end is followed by {blank}, so it escapes that instead of "
+            msg += f"continuing the line: bash ends the command at line {line} and runs line {line + 1} as a command "
+            msg += "of its own; the arguments on the lines after it never reach the command (preflight read the "
+            msg += f"lines as continued). Delete what follows the `\\` on line {line}"
+            self.report("error", "line-continuation", line, msg)
+            cuts.append((m.start(1), m.end(1)))
+        for start, end in reversed(cuts):
+            data = data[:start] + data[end:]
+        return data
 
     def _holds_placeholder(self, value: str | list[str] | None) -> bool:
         """Whether ``value`` holds one of this script's placeholders (a value only running it would tell)."""
@@ -372,7 +471,13 @@ class StaticShell:
             self._calc(node, Taint(), lo=node.children[0].end_byte, hi=node.children[-1].start_byte, stops=False)
         elif kind == "variable_assignment":
             self._assign(node)
-        elif kind in ("variable_assignments", "pipeline", "list", "negated_command", "compound_statement", "ERROR"):
+        elif kind == "list":
+            self._list(node)
+        elif kind == "pipeline" and len(node.named_children) > 1:
+            statuses = [self._in_subshell(child) for child in node.named_children]  # each runs in a subshell
+            failed = next((s for s in statuses if s), None) if self.pipefail else statuses[-1]
+            self._errexit(failed, node)
+        elif kind in ("variable_assignments", "pipeline", "negated_command", "compound_statement", "ERROR"):
             self._block(node)
         elif kind == "declaration_command":
             flags = "".join(node_text(c)[1:] for c in node.named_children if node_text(c).startswith("-"))
@@ -390,25 +495,135 @@ class StaticShell:
             self.functions[node_text(node.child_by_field_name("name"))] = (body, self.file)
         elif kind == "subshell":
             saved = dict(self.vars), set(self.exported), dict(self.taint), dict(self.uncertain), list(self.args)
-            self._block(node)
+            status = self._in_subshell(node)
             self.vars, self.exported, self.taint, self.uncertain, self.args = saved
+            self._errexit(status, node)
         elif kind in _BLOCKS:
             self._conditional(node, _BLOCKS[kind])
 
-    def _conditional(self, node: Node, block: str) -> None:
-        """Evaluate nothing inside (no guessing), but remember what it may assign and look for recognised commands."""
-        assigned = (a for a in descendants(node, "variable_assignment") if a.parent.type != "command")
-        names = [a.child_by_field_name("name") for a in assigned] + node.children_by_field_name("variable")
-        for name in names:
-            if name is not None and name.type == "variable_name":
-                self.uncertain[node_text(name)] = (node_line(name), block)
+    def _in_subshell(self, node: Node) -> int | None:
+        """Run ``node`` as a subshell, where exit and return end the subshell only: the status they give, if any."""
+        try:
+            self._stmt(node) if node.type != "subshell" else self._block(node)
+        except _Exit as exc:
+            return exc.status
+        return None
+
+    def _errexit(self, status: int | None, node: Node) -> None:
+        """``set -e`` ends the script when a subshell or pipeline fails, outside a condition."""
+        if status and self.errexit and not self.conditions and not self.probing and not self.in_condition:
+            raise _Exit(node_line(node), f"{_short(node_text(node))} (exit status {status} under set -e)", status)
+
+    def _list(self, node: Node) -> None:
+        """``a && b`` and ``a || b``: ``b`` runs or not by ``a``'s status, where preflight can tell it
+        (verl_npu.preflight.flow); where it cannot, ``b`` is read as if it runs, but an exit or trainer in it is
+        judged by the condition."""
+        named = [c for c in node.named_children if c.type != "comment"]
+        op = next((c for c in node.children if c.type in ("&&", "||")), None)
+        if op is None or len(named) != 2:
+            self._block(node)
+            return
+        left, right = named
+        self.in_condition += 1  # set -e does not apply to the commands before && and ||
+        try:
+            self._stmt(left)
+        finally:
+            self.in_condition -= 1
+        cond = self._probe(left, op.type == "&&")
+        if decide([cond], "other")[0] == NO:  # bash does not run it (or, assumed, only when a command fails)
+            self._conditional(right, f"a `{op.type}` list", (cond,), assigns=cond.assumed)
+            return
+        self.conditions.append(cond)
+        try:
+            self._stmt(right)
+        finally:
+            self.conditions.pop()
+
+    def _probe(self, node: Node, need: bool) -> Cond:
+        """``node``'s status as a condition, evaluated without side effects (``${X:=...}`` assigns nothing)."""
+        was, self.probing = self.probing, True
+        try:
+            return self.status(node, need)
+        finally:
+            self.probing = was
+
+    def _conditional(self, node: Node, block: str, outer: tuple[Cond, ...] = (), assigns: bool = True) -> None:
+        """Evaluate nothing inside (no guessing), but remember what it may assign (``assigns``), and look for the
+        commands that decide the launch: recognised ones, and exits (``exit``, ``return``, ``exec``)."""
+        if assigns:
+            assigned = (a for a in descendants(node, "variable_assignment") if a.parent.type != "command")
+            names = [a.child_by_field_name("name") for a in assigned] + node.children_by_field_name("variable")
+            for name in names:
+                if name is not None and name.type == "variable_name":
+                    self.uncertain[node_text(name)] = (node_line(name), block)
         self.probing = True
         try:
-            for cmd in descendants(node, "command"):
+            for cmd in [node] if node.type == "command" else descendants(node, "command"):
+                conds, isolated = self.path(cmd, node)
                 if self.may_recognize(cmd):
-                    self._command(cmd, block=(block, node_line(node)))
+                    conds = [*self.conditions, *outer, *conds]
+                    self._command(cmd, block=Block(block, node_line(node), tuple(conds)))
+                elif not isolated and (leaving := self._leaving(cmd)) is not None:
+                    conds = [*outer, *conds]
+                    self._leave(leaving, _short(node_text(cmd)), node_line(cmd), conds)
         finally:
             self.probing = False
+
+    def _leaving(self, cmd: Node) -> str | None:
+        """Which of exit/return/exec ``cmd`` is (exec only with a program to run), "function" for a call to a
+        function that runs exit, or None."""
+        name = cmd.child_by_field_name("name")
+        word = node_text(name) if name is not None else ""
+        args = [node_text(a) for a in cmd.children_by_field_name("argument")]
+        if word in ("exit", "return") or (word == "exec" and any(not a.startswith("-") for a in args)):
+            return word
+        if word in self.functions:
+            body = self.functions[word][0]
+            if any(node_text(c.child_by_field_name("name") or c) == "exit" for c in descendants(body, "command")):
+                return "function"
+        return None
+
+    def _leave(self, how: str, text: str, line: int, conds: list[Cond]) -> None:
+        """An exit, return or exec (``how``) at ``line``: ends the script, function or file where the conditions
+        hold, and is remembered as a possible end where preflight cannot tell (reported if a trainer follows)."""
+        verdict, cond = decide([*self.conditions, *conds], "exit")
+        in_function = bool(self.active) and isinstance(self.active[-1], str)
+        if verdict == NO or (how == "return" and not in_function and len(self.active) <= 1 and not self.errexit):
+            return  # not run; or a return at the script's top level, which bash refuses and goes on
+        if verdict == UNKNOWN or how == "function":
+            scope = "the function" if how == "return" and in_function else "the script"
+            where = f"{self.file.name}: " if self.file != self.main else ""
+            if cond is None:
+                msg = f"{where}line {line}: `{text}` calls a function that may run exit"
+            else:
+                holds = "succeeds" if cond.need else "fails"
+                why = f" ({cond.why})" if cond.why else ", a command that preflight does not run"
+                msg = f"{where}line {line}: `{text}` ends {scope} when `{cond.text}` (line {cond.line}) {holds}"
+                msg += f", which preflight cannot evaluate{why}"
+            self.maybe_exits.append((line, msg, self._fails(how, text)))
+            return
+        code = text.split()[1] if how != "exec" and len(text.split()) > 1 else "0"
+        status = int(code) & 255 if code.isascii() and code.isdigit() and len(code) < 10 else 1
+        if how == "return" and (in_function or len(self.active) > 1):
+            raise _Return(line, text, status)
+        raise _Exit(line, text, status)
+
+    def _fails(self, how: str, text: str) -> bool:
+        """Whether this end is a guard: ``exit N`` with a literal N that is not 0 mod 256, or a call to a function
+        whose every exit is one. A guard ends the job as a failure, so whichever way its condition goes the run
+        is never mistaken for a trained one; ``exit 0``, a bare ``exit``, ``return`` or ``exec`` may end it silently."""
+
+        def failing(words: Sequence[str]) -> bool:
+            code = words[1] if len(words) == 2 else ""
+            return code.isascii() and code.isdigit() and len(code) < 10 and int(code) & 255 != 0
+
+        if how == "exit":
+            return failing(text.split())
+        if how == "function" and (name := text.split()[0] if text.split() else "") in self.functions:
+            exits = [c for c in descendants(self.functions[name][0], "command")
+                     if node_text(c.child_by_field_name("name") or c) == "exit"]  # fmt: skip
+            return bool(exits) and all(failing(node_text(c).split()) for c in exits)
+        return False
 
     def _assign(self, node: Node, export: bool = False) -> None:
         target, value = node.child_by_field_name("name"), node.child_by_field_name("value")
@@ -497,8 +712,16 @@ class StaticShell:
         # an unresolvable "$PYTHON" may well be the interpreter: judged by the -m that follows
         loose = b"$" in (name_node.text or b"") and bool(ctx.unknown or ctx.unset or ctx.required)
         words = words or ([f"<{node_text(name_node)}>"] if loose else [])
-        words += [w for arg in node.children_by_field_name("argument") for w in self._word(arg, ctx)]
+        groups: list[list[Node]] = []  # the grammar splits some words in two (k=a'b'\,): bash has no space there
+        for arg in node.children_by_field_name("argument"):
+            if groups and groups[-1][-1].end_byte == arg.start_byte:
+                groups[-1].append(arg)
+            else:
+                groups.append([arg])
+        words += [w for group in groups for w in self._word(group, ctx)]
         if self.recognize(node, words, loose, prefix, ctx, block):
+            if words[:1] == ["exec"] and not self.probing:  # the script is replaced by the recognised command
+                raise _Exit(node_line(node), _short(" ".join(words)))
             return
         if not self.probing:
             self._required(ctx)
@@ -511,13 +734,7 @@ class StaticShell:
     def _builtin(self, words: list[str], line: int) -> None:
         cmd, rest = (words[0], words[1:]) if words else ("", [])
         if cmd == "set":
-            for i, flag in enumerate(rest):
-                letters = flag[1:] if re.fullmatch(r"[-+][a-zA-Z]+", flag) else ""
-                opt = rest[i + 1] if letters.endswith("o") and i + 1 < len(rest) else ""
-                if "u" in letters or opt == "nounset":
-                    self.nounset = flag[0] == "-"
-                if "a" in letters or opt == "allexport":
-                    self.allexport = flag[0] == "-"
+            self._set_options(rest)
         elif cmd == "shift":
             count = int(rest[0]) if rest and rest[0].isdigit() and len(rest[0]) < 10 else 1 if not rest else None
             if count is not None and count <= len(self.args):  # bash refuses to shift past $# and changes nothing
@@ -534,15 +751,34 @@ class StaticShell:
                     self.exported.add(name)
         elif cmd in ("source", ".") and rest:
             self._source(rest[0], line)
+        elif cmd in ("exit", "return") or (cmd == "exec" and any(not w.startswith("-") for w in rest)):
+            self._leave(cmd, _short(" ".join(words)), line, [])
         elif cmd in self.functions and cmd not in self.active:
             body, where = self.functions[cmd]
             saved, self.args, outer, self.file = self.args, rest, self.file, where
             self.active.append(cmd)
             try:
                 self._block(body)
+            except _Return:
+                pass
             finally:
                 self.args, self.file = saved, outer
                 self.active.pop()
+
+    def _set_options(self, rest: list[str]) -> None:
+        """``set -u``, ``-a``, ``-e`` and ``-o pipefail`` (and their ``+`` forms): what the evaluation follows."""
+        for i, flag in enumerate(rest):
+            letters = flag[1:] if re.fullmatch(r"[-+][a-zA-Z]+", flag) else ""
+            opt = rest[i + 1] if letters.endswith("o") and i + 1 < len(rest) else ""
+            on = flag[0] == "-"
+            if "u" in letters or opt == "nounset":
+                self.nounset = on
+            if "a" in letters or opt == "allexport":
+                self.allexport = on
+            if "e" in letters or opt == "errexit":
+                self.errexit = on
+            if opt == "pipefail":
+                self.pipefail = on
 
     def _source(self, word: str, line: int) -> None:
         path = Path(word.replace("\0", "?"))  # a NUL cannot name a file: read_script_file refuses the real word
@@ -566,17 +802,87 @@ class StaticShell:
 
     # words
 
-    def _fields(self, node: Node, ctx: Taint) -> list[str]:
-        return _fields(self._tilde(self._pieces(node, ctx), ctx, node_line(node)))
+    def _fields(self, node: Node | list[Node], ctx: Taint) -> list[str]:
+        """A word's fields: brace expansion (on the word's literal text), then ~, then word splitting."""
+        nodes = node if isinstance(node, list) else [node]
+        line, pieces = node_line(nodes[0]), [p for n in nodes for p in self._pieces(n, ctx)]
+        try:
+            words = braces.expand(pieces, MAX_ARRAY_ITEMS)
+        except braces.TooMany:
+            raise TooLarge from None
+        except braces.Unclear:
+            text = _short("".join(map(node_text, nodes)))
+            msg = f"line {line}: preflight cannot tell how bash expands the braces of `{text}` (an empty {{}} next to "
+            self.report("error", "braces-unclear", line, msg + "other braces); quote the braces that are text")
+            words = [pieces]
+        if len(words) == 1:
+            return _fields(self._tilde(words[0], ctx, line))
+        text = "".join(map(node_text, nodes))
+        if re.search(r"(?<!\\)\$[A-Za-z_]\w*\{", text):  # bash expands $A{1,2} to $A1 $A2: other variables
+            msg = f"{_short(text)}: brace expansion makes new variable names of it; {self.TARGET} gets <{_short(text)}>"
+            return [self.placeholder(text, ctx, msg, line)]
+        fields = [f for w in words for f in _fields(self._tilde(w, ctx, line))]
+        ctx.braced[(line, text)] = tuple(fields)
+        return fields
 
-    def _word(self, node: Node, ctx: Taint) -> list[str]:
+    # what preflight.flow asks to evaluate a condition
+
+    def _cond_word(self, node: Node, split: bool) -> list[str] | tuple[str, str]:
+        """A word in a condition: its fields (``split``) or (its text, it as a pattern); raises Unknown."""
+        ctx = Taint()
+        was, self.probing = self.probing, True
+        try:
+            pieces = self._pieces(node, ctx)
+            value = _fields(pieces) if split else (join_pieces(pieces), _pattern(pieces))
+        except TooLarge:
+            raise Unknown("a value in it is too long to evaluate") from None
+        finally:
+            self.probing = was
+        self._known(ctx, value)
+        return value
+
+    def _known(self, ctx: Taint, value: object) -> None:
+        """Raise Unknown, saying why, where ``ctx`` or ``value`` holds what only running the script would tell."""
+        if ctx.unset:
+            name = next(iter(ctx.unset))[0]
+            raise Unknown(f"${name} is not set here: give its value with --env {name}=VALUE")
+        if ctx.uncertain:
+            name, line, where = next(iter(ctx.uncertain))
+            raise Unknown(f"${name} is assigned inside {where} (line {line}), which preflight does not evaluate")
+        if ctx.unknown or ctx.required or self._holds_placeholder(list(value) if isinstance(value, tuple) else value):
+            raise Unknown(next(iter(ctx.unknown), "it holds a value only running the script would tell"))
+
+    def _cond_arith(self, node: Node, lo: int, hi: int) -> int:
+        ctx = Taint()
+        was, self.probing = self.probing, True
+        try:
+            value = self._calc(node, ctx, lo, hi, stops=False)
+        except _Abandoned:
+            raise Unknown("its arithmetic fails") from None
+        finally:
+            self.probing = was
+        self._known(ctx, "")
+        if value is None:
+            raise Unknown("its arithmetic cannot be computed statically")
+        return value
+
+    def _is_set(self, name: str) -> bool:
+        if name in self.uncertain:
+            raise Unknown(f"${name} is assigned inside a block preflight does not evaluate")
+        return name in self.vars
+
+    def _positional(self) -> list[str]:
+        return list(self.args)
+
+    def _word(self, node: Node | list[Node], ctx: Taint) -> list[str]:
         """A command word's fields; one placeholder for a word that would be longer than MAX_VALUE_CHARS."""
         try:
             return self._fields(node, ctx)
         except TooLarge:
-            text = node_text(node)
+            nodes = node if isinstance(node, list) else [node]
+            text = "".join(map(node_text, nodes))
             msg = f"could not evaluate {_short(text)}: it expands to more than {MAX_VALUE_CHARS} characters; "
-            return [self.placeholder(text, ctx, msg + f"{self.TARGET} gets <{_short(text)}>", node_line(node))]
+            return [self.placeholder(text, ctx, msg + f"{self.TARGET} gets <{_short(text)}>", node_line(nodes[0]))]
 
     def _tilde(self, pieces: Pieces, ctx: Taint, line: int) -> Pieces:
         """~ and ~/x, also after NAME= as bash does (but not after data.path=, which is no assignment)."""
@@ -617,7 +923,7 @@ class StaticShell:
             msg = f"{_short(text)} is a command's output, which preflight does not run; {self.TARGET} gets "
             msg += f"<{_short(text)}>"
             return [(QUOTED, self.placeholder(text, ctx, msg, node_line(node)))]
-        return [(QUOTED, _unescape(text, True))] if quoted else [(lit, _unescape(text, False))]
+        return [(QUOTED, _unescape(text, True))] if quoted else _unquoted(text, lit)
 
     def _span(self, node: Node, ctx: Taint, lo: int, hi: int, kids, quoted: bool, lit: str) -> Pieces:
         """Pieces of the kids within [lo, hi); text the grammar left between them is literal."""
@@ -627,7 +933,7 @@ class StaticShell:
         def gap(a: int, b: int) -> None:
             if b > a:
                 s = raw[a - node.start_byte : b - node.start_byte].decode(errors="replace")
-                out.append((QUOTED, _unescape(s, True)) if quoted else (lit, _unescape(s, False)))
+                out.extend([(QUOTED, _unescape(s, True))] if quoted else _unquoted(s, lit))
 
         for kid in kids:
             if kid.start_byte >= lo and kid.end_byte <= hi:

@@ -252,10 +252,10 @@ class PreflightWorker:
             _warn(f"cannot create the cache directory {path.parent} ({exc.strerror or exc}); checking without a "
                   "cache (set VERL_NPU_CACHE_DIR to a writable directory, or pass --no-cache)")  # fmt: skip
             return None
-        why = atomic.writable_directory(path)
+        why = atomic.output_problem(path)  # a directory or FIFO named like the entry is left alone, never read
         if why is not None:
-            _warn(f"the preflight cache is unusable: {why}; checking without a cache (set VERL_NPU_CACHE_DIR "
-                  "to a writable directory, or pass --no-cache)")  # fmt: skip
+            _warn(f"the preflight cache is unusable: {path}: {why}; checking without a cache (set "
+                  "VERL_NPU_CACHE_DIR to a writable directory, or pass --no-cache)")  # fmt: skip
             return None
         return path
 
@@ -364,8 +364,9 @@ class PreflightWorker:
             return
         try:
             atomic.write_text(self._cache, text)  # a temporary file of this process, then a rename
-        except OSError as exc:
-            _warn(f"cannot write the cache entry {self._cache} ({exc.strerror or exc}); the check is complete, "
+        except (OSError, atomic.OutputPathError) as exc:  # the entry's path became a directory or FIFO meanwhile
+            why = exc.strerror if isinstance(exc, OSError) and exc.strerror else exc
+            _warn(f"cannot write the cache entry {self._cache} ({why}); the check is complete, "
                   "the next one recomputes it (--no-cache skips the cache)")  # fmt: skip
 
     def cancel(self) -> None:

@@ -85,9 +85,12 @@ def main(argv: list[str] | None = None) -> int:
             print(detect_target())
         else:
             return _manifest_command(args)
-    except (UserError, UnknownChipError) as exc:
+    except UserError as exc:  # a bad option, manifest or variable (VERL_NPU_PROBE_TIMEOUT_S): nothing was judged
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    except UnknownChipError as exc:  # the node was read and is not one verl-npu has a stack for: a finding
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
     return 0
 
 

@@ -19,6 +19,9 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from verl_npu.bounded_read import MIB, NotReadable, read_text
+from verl_npu.errors import UserError
+from verl_npu.inputs import DuplicateKey, loads_json
 from verl_npu.stack.manifest import MANIFEST_PATH, NPU_TARGETS, TARGETS, Stack, StackError, load_stack
 
 FILENAME = "build-manifest.json"
@@ -46,7 +49,7 @@ def _read_resolved(path: Path | None) -> dict[str, str]:
     if path is None or not path.is_file():
         return {}
     resolved = {}
-    for line in path.read_text().splitlines():
+    for line in read_text(path, MIB).splitlines():
         if line.strip():
             name, commit = line.split()
             resolved[name] = commit
@@ -109,18 +112,23 @@ def compose(stack: Stack, target: str, resolved: dict[str, str]) -> dict[str, An
 
 
 def write(stack: Stack, target: str, prefix: Path, resolved: dict[str, str]) -> Path:
-    """Write prefix/build-manifest.json atomically; leave it untouched when nothing changed."""
+    """Write prefix/build-manifest.json whole or not at all (verl_npu.atomic: a directory, device or FIFO there is
+    refused with OutputPathError, never replaced); leave it untouched when nothing changed."""
+    from verl_npu import atomic
+
     doc = compose(stack, target, resolved)
     path = prefix / FILENAME
     if path.is_file():
-        old = json.loads(path.read_text())
-        old.pop("built_at", None)
+        try:
+            old = json.loads(read_text(path, MIB))
+        except (OSError, ValueError):  # damaged or unreadable: it is rewritten
+            old = None
+        if isinstance(old, dict):
+            old.pop("built_at", None)
         if old == doc:
             return path
     doc["built_at"] = _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds")
-    tmp = path.with_name(f".{FILENAME}.{os.getpid()}.tmp")
-    tmp.write_text(json.dumps(doc, indent=2, sort_keys=True) + "\n")
-    tmp.replace(path)
+    atomic.write_text(path, json.dumps(doc, indent=2, sort_keys=True) + "\n")
     return path
 
 
@@ -136,11 +144,13 @@ def find() -> Path | None:
 
 
 def read(path: Path) -> dict[str, Any]:
+    if not os.path.lexists(path):
+        raise BuildManifestError(f"{path}: build manifest not found (set {ENV_VAR} or rerun install.sh)")
     try:
-        doc = json.loads(path.read_text())
-    except FileNotFoundError:
-        raise BuildManifestError(f"{path}: build manifest not found (set {ENV_VAR} or rerun install.sh)") from None
-    except json.JSONDecodeError as exc:
+        doc = loads_json(read_text(path, MIB))  # a FIFO or /dev/zero named by the variable is refused, never read
+    except NotReadable as exc:
+        raise BuildManifestError(f"{path}: cannot read the build manifest: {exc}") from None
+    except (json.JSONDecodeError, DuplicateKey) as exc:
         raise BuildManifestError(f"{path}: not valid JSON ({exc}); rerun install.sh to rewrite it") from None
     if not isinstance(doc, dict):
         raise BuildManifestError(f"{path}: expected a JSON object, found {type(doc).__name__}; rerun install.sh")
@@ -208,6 +218,9 @@ def _main(argv: list[str] | None = None) -> int:
     except (StackError, BuildManifestError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
+    except (UserError, OSError) as exc:  # atomic.OutputPathError: --prefix names no place for the file
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     print(f"build manifest: {path}")
     return 0
 

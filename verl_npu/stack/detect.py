@@ -24,13 +24,17 @@ RULE_DOC = "docs/hardware_detection.md"
 # `npu-smi info` prints each chip as two rows (tests_npu/data/npu_smi/ holds real captures): a name row
 # "| NPU  Name | Health | ..." and a chip row "| Chip [Phy-ID] | Bus-Id | ...". A chip row always carries a
 # PCI Bus-Id; the process table below the chip table has rows of the same "| N  M |" shape but none.
-_NAME_ROW = re.compile(r"^\|\s*(\d+)\s+(\S+)\s*\|([^|]*)\|")
-_CHIP_ROW = re.compile(r"^\|\s*(\d+)(?:\s+(\d+))?\s*\|\s*([0-9A-Fa-f]{4,8}:[0-9A-Fa-f]{2}:[0-9A-Fa-f]{2}\.[0-7])\s*\|")
+# re.ASCII throughout: npu-smi prints ASCII, and a row numbered in other digits ('٣', which int() reads as 3) is
+# not a chip row of a real npu-smi, so it is not counted as one.
+_NAME_ROW = re.compile(r"^\|\s*(\d+)\s+(\S+)\s*\|([^|]*)\|", re.ASCII)
+_CHIP_ROW = re.compile(
+    r"^\|\s*(\d+)(?:\s+(\d+))?\s*\|\s*([0-9A-Fa-f]{4,8}:[0-9A-Fa-f]{2}:[0-9A-Fa-f]{2}\.[0-7])\s*\|", re.ASCII
+)
 # The header's second row names the chip row's second number: "Phy-ID" on A3, "Device" on 310P, none on A2.
-_CHIP_HEADER = re.compile(r"^\|\s*Chip\b(?:\s+(\S+))?\s*\|\s*Bus-Id", re.M)
-_PROCESS_HEADER = re.compile(r"^\|\s*NPU\s+Chip\s*\|\s*Process id", re.M)
-_VERSION = re.compile(r"npu-smi\s+\S+\s+Version:\s*(\S+)")
-_A2_NAME = re.compile(r"910B\d\w*")  # 910B1, 910B2, 910B2C, 910B3, 910B4: Atlas A2's chips
+_CHIP_HEADER = re.compile(r"^\|\s*Chip\b(?:\s+(\S+))?\s*\|\s*Bus-Id", re.M | re.ASCII)
+_PROCESS_HEADER = re.compile(r"^\|\s*NPU\s+Chip\s*\|\s*Process id", re.M | re.ASCII)
+_VERSION = re.compile(r"npu-smi\s+\S+\s+Version:\s*(\S+)", re.ASCII)
+_A2_NAME = re.compile(r"910B\d\w*", re.ASCII)  # 910B1, 910B2, 910B2C, 910B3, 910B4: Atlas A2's chips
 _A3_NAME = "Ascend910"  # what npu-smi 24.1 to 25.2 prints for each die of an Atlas A3 card
 NEITHER = "neither Atlas A2 (910B* chips) nor Atlas A3 (Ascend910 cards of two dies)"
 COMMAND_TIMEOUT_S = 30.0  # npu-smi / nvidia-smi; a driver that does not answer in 30 s is broken
@@ -70,8 +74,8 @@ class UnknownChipError(RuntimeError):
 
 def command_timeout() -> float:
     """The time limit of one npu-smi / nvidia-smi call: $VERL_NPU_PROBE_TIMEOUT_S, else 30 s."""
-    raw = os.environ.get(TIMEOUT_ENV, "").strip()
-    if not raw:
+    raw = os.environ.get(TIMEOUT_ENV, "")
+    if not raw.strip():
         return COMMAND_TIMEOUT_S
     return inputs.number(TIMEOUT_ENV, raw, above=0.0, maximum=3600.0, source="environment")
 

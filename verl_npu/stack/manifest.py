@@ -26,12 +26,15 @@ NPU_TARGETS = ("a2", "a3")
 TARGETS = (*NPU_TARGETS, "dev")
 GIT_INSTALL_KINDS = ("pip", "vllm-empty-device", "vllm-ascend")
 
-_SHA_RE = re.compile(r"^[0-9a-f]{40}$")
+# re.ASCII and \Z: pip, git and install.sh's plan lines read ASCII digits only (a version in Arabic-Indic digits is
+# none to pip), and a value ends where its text does ('$' also matches before a final newline, which would split a
+# plan line).
+_SHA_RE = re.compile(r"^[0-9a-f]{40}\Z")
 # PEP 440 public versions plus a local label; enough to reject typos such as "0.18,0".
-_VERSION_RE = re.compile(r"^\d+(\.\d+)*((a|b|rc)\d+)?(\.post\d+)?(\.dev\d+)?(\+[a-z0-9.]+)?$")
-_PYTHON_RE = re.compile(r"^3\.\d+$")
-_IMAGE_RE = re.compile(r"^[a-z0-9.-]+(:\d+)?(/[a-z0-9._-]+)+:[A-Za-z0-9._-]+$")
-_SOC_RE = re.compile(r"^ascend[0-9a-z_]+$")
+_VERSION_RE = re.compile(r"^\d+(\.\d+)*((a|b|rc)\d+)?(\.post\d+)?(\.dev\d+)?(\+[a-z0-9.]+)?\Z", re.ASCII)
+_PYTHON_RE = re.compile(r"^3\.\d+\Z", re.ASCII)
+_IMAGE_RE = re.compile(r"^[a-z0-9.-]+(:\d+)?(/[a-z0-9._-]+)+:[A-Za-z0-9._-]+\Z", re.ASCII)
+_SOC_RE = re.compile(r"^ascend[0-9a-z_]+\Z")
 MAX_STRING = 1024  # no pin, URL, image or path comes near; a longer value is a mistake, not a pin
 MAX_ENTRIES = 512  # packages, git components, targets or patches in one table or list
 MAX_HBM_GIB = 1 << 16
@@ -197,8 +200,8 @@ def _name(text: str) -> str:
     return text if len(text) <= 80 else text[:77] + "..."
 
 
-_URL_RE = re.compile(r"^https://\S+$")
-_DIST_RE = re.compile(r"^[A-Za-z0-9]([A-Za-z0-9._-]*[A-Za-z0-9])?$")
+_URL_RE = re.compile(r"^https://\S+\Z")
+_DIST_RE = re.compile(r"^[A-Za-z0-9]([A-Za-z0-9._-]*[A-Za-z0-9])?\Z")
 
 
 def _load_chip(path: Path, name: str, data: Any) -> Chip:
@@ -225,7 +228,7 @@ def _patches(t: _Table) -> tuple[str, ...]:
     if not isinstance(patches, list) or not all(isinstance(p, str) for p in patches) or len(patches) > MAX_ENTRIES:
         t.fail("patches", f"must be a list of paths relative to the repository, found {_show(patches)}")
     for patch in patches:
-        if len(patch) > MAX_STRING or not re.match(r"^patches/[A-Za-z0-9._/-]+\.patch$", patch) or ".." in patch:
+        if len(patch) > MAX_STRING or not re.match(r"^patches/[A-Za-z0-9._/-]+\.patch\Z", patch) or ".." in patch:
             t.fail("patches", f"entry {_show(patch)} must be a path under patches/ ending in .patch")
     if len(set(patches)) != len(patches):
         t.fail("patches", f"lists a patch twice: {_show(patches)}")

@@ -36,8 +36,8 @@ RAY_LOGS = "/tmp/ray/session_latest/logs (gcs_server.err, raylet.err)"
 
 def layer_timeout(env: Mapping[str, str]) -> float:
     """The layer probe's time limit, from ``VERL_NPU_DOCTOR_LAYER_TIMEOUT_S`` (InputError when it is not one)."""
-    raw = env.get(LAYER_TIMEOUT_VARIABLE, "").strip()
-    if not raw:
+    raw = env.get(LAYER_TIMEOUT_VARIABLE, "")
+    if not raw.strip():
         return DEFAULT_LAYER_TIMEOUT_S
     return inputs.number(LAYER_TIMEOUT_VARIABLE, raw, above=0, maximum=MAX_LAYER_TIMEOUT_S)
 
@@ -66,7 +66,7 @@ def describe_ray_failure(worker: Mapping[str, Any], timeout_s: float) -> tuple[s
     if stage == "start":
         wait = str(worker.get("start_wait_s") or "").strip()
         waited = f"{RAY_START_WAIT_VARIABLE}={wait} s" if wait else f"Ray's default ({RAY_START_WAIT_VARIABLE} unset)"
-        suggest = max(300, 2 * int(wait)) if wait.isdigit() else 300
+        suggest = max(300, 2 * int(wait)) if re.fullmatch("[0-9]{1,9}", wait) else 300
         if _GCS_PORT_TIMEOUT.search(error):
             detail = (
                 f"Ray start timed out{after}: the local node's GCS did not come up within {waited} "

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from verl_npu import inputs
 from verl_npu.checks import FAIL, OK, WARN
 from verl_npu.checks import Check as Finding
 from verl_npu.doctor.probe import Probe
@@ -29,22 +30,34 @@ def detect_platform(probe: Probe) -> Platform:
     return detect.detect_platform(probe.run)
 
 
+def expected_npus(source: str, text: str) -> int:
+    """The NPUs a job expects on a node, from ``--expect-npus`` or ``VERL_NPU_EXPECT_NPUS`` (``source``): ASCII
+    decimal digits only (verl_npu.inputs), so that '١٦' is refused here as `verl-npu k8s render` refuses it."""
+    return inputs.integer(source, text, minimum=1, maximum=inputs.MAX_DEVICES)
+
+
 def check_expected_npus(probe: Probe, plat: Platform) -> list[Finding]:
-    """Inside a job that expects NPUs (``VERL_NPU_EXPECT_NPUS``), a node without them is a failure, not "CPU only".
+    """Inside a job that expects NPUs (``--expect-npus``, else ``VERL_NPU_EXPECT_NPUS``), a node without them is a
+    failure, not "CPU only".
 
     verl's vLLM rollout on NPU runs ``npu-smi`` with no fallback, so its absence fails the job later anyway.
     """
-    raw = probe.env.get(EXPECT_NPUS_ENV, "").strip()
-    if not raw:
-        return []
-    if not raw.isdigit() or int(raw) < 1:
-        return [
-            Finding(
-                "platform.expected-npus", FAIL, f"{EXPECT_NPUS_ENV}={raw!r} is not a positive integer",
-                f"set {EXPECT_NPUS_ENV} to the NPUs the job needs on this node (8 on A2, 16 on A3), or unset it",
-            )
-        ]  # fmt: skip
-    expected = int(raw)
+    if probe.expect_npus is not None:
+        expected, source = probe.expect_npus, "--expect-npus"
+    else:
+        raw = probe.env.get(EXPECT_NPUS_ENV, "")
+        if not raw.strip():
+            return []
+        try:
+            expected, source = expected_npus(EXPECT_NPUS_ENV, raw), EXPECT_NPUS_ENV
+        except inputs.InputError as exc:
+            return [
+                Finding(
+                    "platform.expected-npus", FAIL, f"{EXPECT_NPUS_ENV}={raw!r}: expected {exc.allowed}",
+                    f"set {EXPECT_NPUS_ENV} to the NPUs the job needs on this node (8 on A2, 16 on A3) in ASCII "
+                    "digits, or unset it",
+                )
+            ]  # fmt: skip
     if plat.kind != "ascend":
         where = probe.which("npu-smi")
         seen = (
@@ -55,7 +68,7 @@ def check_expected_npus(probe: Probe, plat: Platform) -> list[Finding]:
         return [
             Finding(
                 "platform.expected-npus", FAIL,
-                f"this job expects {expected} NPUs ({EXPECT_NPUS_ENV}), but {seen}; the node looks like {plat.detail}",
+                f"this job expects {expected} NPUs ({source}), but {seen}; the node looks like {plat.detail}",
                 MOUNT_NPUS,
             )
         ]  # fmt: skip
@@ -63,7 +76,7 @@ def check_expected_npus(probe: Probe, plat: Platform) -> list[Finding]:
         return [
             Finding(
                 "platform.expected-npus", FAIL,
-                f"this job expects {expected} NPUs ({EXPECT_NPUS_ENV}), but {plat.problem}", NPU_SMI_BROKEN,
+                f"this job expects {expected} NPUs ({source}), but {plat.problem}", NPU_SMI_BROKEN,
             )
         ]  # fmt: skip
     listed = npus_phrase(plat.devices, plat.cards or plat.devices) if plat.devices else "no NPU"
@@ -71,7 +84,7 @@ def check_expected_npus(probe: Probe, plat: Platform) -> list[Finding]:
         return [
             Finding(
                 "platform.expected-npus", FAIL,
-                f"this job expects {expected} NPUs ({EXPECT_NPUS_ENV}), npu-smi lists {listed}",
+                f"this job expects {expected} NPUs ({source}), npu-smi lists {listed}",
                 "request all of the node's NPUs for the job (huawei.com/ascend-* limit, runner label) and check "
                 "`npu-smi info` for NPUs in a bad state",
             )

@@ -122,6 +122,14 @@ def test_validate_refuses_yaml_aliases_and_deep_nesting_at_once(tmp_path, capsys
         assert time.monotonic() - started < 5
 
 
+def test_validate_refuses_a_key_given_twice_in_one_mapping(tmp_path, capsys):
+    """PyYAML keeps the second value silently: a manifest with `replicas` twice was judged on one of the two."""
+    path = tmp_path / "m.yaml"
+    path.write_text("apiVersion: v1\nkind: ConfigMap\nmetadata:\n  name: a\n  name: b\ndata: {}\n")
+    assert main(["k8s", "validate", str(path)]) == 2
+    assert f"{path}: line 5: key 'name' is given twice in one mapping" in capsys.readouterr().err
+
+
 # --- class 7: the node count -------------------------------------------------------------------------------
 
 

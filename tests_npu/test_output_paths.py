@@ -555,7 +555,7 @@ OUTPUTS: dict[str, Output | str] = {
     "python -m verl_npu.stack.build_manifest write --prefix (build-manifest.json)": Output(
         "build-manifest.json", _build_manifest, lambda d: json.loads(d)["target"] == "dev"
     ),
-    "verl-npu upstream fetch --dest": "fetches from a git URL: tests_npu/test_upstream.py runs it against a local mirror",
+    "verl-npu upstream fetch --dest": "fetches from a git URL: test_upstream.py runs it against a local mirror",
 }
 RUN = {name: o for name, o in OUTPUTS.items() if isinstance(o, Output)}
 # the files written inside a temporary directory of the command's own are no output path:

@@ -10,6 +10,7 @@ the path inside it.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import re
@@ -296,7 +297,8 @@ def validate_document(doc: Any, label: str, max_nodes: int = DEFAULT_MAX_NODES) 
 
 def _loader():
     """PyYAML's safe loader without aliases (a few lines of ``*alias`` make a document the validator walks in
-    exponential time; manifests never need one) and with a nesting bound (its composer recurses per level)."""
+    exponential time; manifests never need one), with a nesting bound (its composer recurses per level), and
+    without duplicate keys (PyYAML keeps the last of two values silently; the API server refuses the object)."""
     import yaml
 
     class Loader(yaml.SafeLoader):
@@ -314,6 +316,18 @@ def _loader():
                 return super().compose_node(parent, index)
             finally:
                 self.depth -= 1
+
+        def construct_mapping(self, node, deep=False):
+            seen = set()
+            for key_node, _ in node.value:
+                key = self.construct_object(key_node, deep=deep)
+                with contextlib.suppress(TypeError):  # an unhashable key: PyYAML's own error names it
+                    if key in seen:
+                        line = key_node.start_mark.line + 1
+                        raise ManifestError(f"line {line}: key {key!r} is given twice in one mapping (a YAML "
+                                            "reader keeps one of the two values): keep one")  # fmt: skip
+                    seen.add(key)
+            return super().construct_mapping(node, deep)
 
     return Loader
 

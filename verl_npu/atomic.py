@@ -23,6 +23,7 @@ import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
+from verl_npu.bounded_read import file_kind
 from verl_npu.errors import UserError
 
 CHUNK = 1 << 16
@@ -38,15 +39,11 @@ class OutputPathError(UserError):
 
 
 def _kind(mode: int) -> str:
-    kinds = (
-        (stat.S_ISDIR, "a directory"),
-        (stat.S_ISCHR, "a character device"),
-        (stat.S_ISBLK, "a block device"),
-        (stat.S_ISFIFO, "a FIFO (named pipe)"),
-        (stat.S_ISSOCK, "a socket"),
-        (stat.S_ISLNK, "a symlink"),
-    )
-    return next((name for test, name in kinds if test(mode)), "not a regular file")
+    """bounded_read's name of a kind, a FIFO spelt out for a writer, and a symlink (seen by the lstat before the
+    rename)."""
+    if stat.S_ISFIFO(mode):
+        return "a FIFO (named pipe)"
+    return "a symlink" if stat.S_ISLNK(mode) else file_kind(mode)
 
 
 def _through_proc(path: Path) -> bool:

@@ -217,22 +217,20 @@ class _TrainerReader(StaticShell):
                 if (named := data.find(TRAINER_MODULE.encode())) >= 0:
                     msg += f" (it is named at line {data[:named].count(b'\n') + 1})"
             self.report("error", "not-reached", at, msg)
-            variables = {n: scalar(v) for n, v in self.vars.items()}
-            env = {n: v for n, v in variables.items() if n in self.exported}
-            self.trainers.append(Launch("", None, None, (), (), env, variables, (), None))
         elif not self.trainers:
             msg = f"no command in {source} runs `python -m {TRAINER_MODULE}` (searched python, python3, pythonX.Y, "
             msg += "/path/to/python and $PYTHON-style commands, sourced files and called functions)"
             if (at := data.find(TRAINER_MODULE.encode())) >= 0:
                 msg += f"; it is named at line {data[:at].count(b'\n') + 1}, but not in a command that runs"
             self.report("error", "no-trainer", None, msg)
-            variables = {n: scalar(v) for n, v in self.vars.items()}
-            env = {n: v for n, v in variables.items() if n in self.exported}
-            self.trainers.append(Launch("", None, None, (), (), env, variables, (), None))
         elif len(self.trainers) > 1:
             lines, last = ", ".join(str(t.trainer_line) for t in self.trainers), self.trainers[-1].trainer_line
             msg = f"the trainer is started {len(self.trainers)} times (lines {lines}); preflight checks the last one"
             self.report("warning", "multiple-trainers", last, msg)
+        if not self.trainers:  # a launch of no trainer still carries the script's variables for the report
+            variables = {n: scalar(v) for n, v in self.vars.items()}
+            env = {n: v for n, v in variables.items() if n in self.exported}
+            self.trainers.append(Launch("", None, None, (), (), env, variables, (), None))
         return replace(self.trainers[-1], source=source, findings=tuple(dict.fromkeys(self.findings)))
 
 

@@ -76,3 +76,11 @@ def preflight_cache(tmp_path_factory):
         os.environ.pop("VERL_NPU_CACHE_DIR", None)
     else:
         os.environ["VERL_NPU_CACHE_DIR"] = saved
+
+
+@pytest.fixture(scope="session")
+def parity_runs(tmp_path_factory):
+    """The CPU parity runs of the session, each made once (tests_npu/support/parity_runs.py)."""
+    from support.parity_runs import ParityRuns
+
+    return ParityRuns(tmp_path_factory.mktemp("parity-runs"))

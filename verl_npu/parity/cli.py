@@ -1,6 +1,7 @@
 """`verl-npu parity`: the platform-parity job and its comparison with the CUDA reference.
 
-    verl-npu parity run --dtype bf16 --out run.json [--model glm5_2 --model dense] [--path portable] [--steps 3]
+    verl-npu parity run --dtype bf16 --out run.json [--model glm5_2 --model dense] [--path portable] [--steps 1]
+                        [--replay-from FILE]
     verl-npu parity compare run.json [--reference ci/baselines/parity/reference.json] [--against other.json]
                                      [--exact] [--json report.json] [--plot layers.png]
     verl-npu parity reference --bf16 a.json --fp32 b.json --fp64 c.json --bf16-repeat d.json
@@ -46,7 +47,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     # digits (Arabic-Indic, full-width) and '1_6'
     steps = inputs.integer("--steps", args.steps, minimum=1, maximum=job.MAX_STEPS)
     options = job.RunOptions(models=tuple(args.model or job.DEFAULT_MODELS), dtype=args.dtype, steps=steps,
-                             path=args.path)  # fmt: skip
+                             path=args.path, replay_from=args.replay_from)  # fmt: skip
     out = _output("--out", args.out)
     result = job.run(options)
     job.write(result, out)
@@ -113,6 +114,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--dtype", choices=DTYPES, default="fp32")
     p.add_argument("--path", choices=PATHS, default="default", help="the operators (default: the platform's)")
     p.add_argument("--steps", default=DEFAULT_STEPS, help=f"training steps (1 to {MAX_STEPS})")
+    p.add_argument("--replay-from", metavar="FILE", help="a parity run, or the reference (its run of --dtype), whose "
+                   "block inputs each block is fed again (the judgement of `parity compare`)")  # fmt: skip
     p.add_argument("--out", required=True, metavar="FILE")
     p.set_defaults(func=cmd_run)
     p = parity_sub.add_parser("compare", help="a run against the reference (or another run); exit 1 on a mismatch")

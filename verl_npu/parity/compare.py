@@ -321,6 +321,7 @@ def errors(primary: Mapping[str, Any], precise: Mapping[str, Any], repeat: Mappi
                 raise ParityCompareError(f"{other.get('_path')} cannot measure {primary.get('_path')} ({model}): it "
                                          f"lacks {', '.join(missing)}")  # fmt: skip
             spreads.append(s)
+        replayed = replay_errors(replay_spread(primary, precise, model)) if has_replay(primary, model) else None
 
         def worst(name: str, spreads: list[Spread] = spreads) -> float:
             return max(getattr(s, name) for s in spreads)
@@ -334,6 +335,7 @@ def errors(primary: Mapping[str, Any], precise: Mapping[str, Any], repeat: Mappi
             "grad_norms": [max(s.grad_norms[i] for s in spreads) for i in range(len(ref.grad_norms))],
             "checksums": _depth_relative(ref, spreads),
             "topk_disagreement": {layer: 1.0 - min(s.topk_overlap[layer] for s in spreads) for layer in ref.topk},
+            "replay": replayed,  # each block's error fed the wider run's input, and step 0's gradients and update
         }
     return out
 
@@ -482,7 +484,8 @@ def reference(runs: Mapping[str, Mapping[str, Any]], repeats: Mapping[str, Mappi
         "device": next(iter(devices)),
         "versions": runs["bf16"].get("versions"),
         "derivation": DERIVATION,
-        "runs": {dtype: _strip(runs[dtype]) for dtype in ("bf16", "fp32", "fp64")},  # fp64: for --precise fp64
+        # the runs platforms are compared with and replayed from (fp64 only measures the reference's fp32 error)
+        "runs": {dtype: _strip(runs[dtype]) for dtype in ("bf16", "fp32")},
         "errors": measured,  # the reference's measured error per dtype and model
         "tolerances": limits,  # the default mode's: twice the reference's error
         "measured_spreads": spreads,
@@ -490,7 +493,15 @@ def reference(runs: Mapping[str, Mapping[str, Any]], repeats: Mapping[str, Mappi
 
 
 def _strip(run: Mapping[str, Any]) -> dict[str, Any]:
-    return {k: v for k, v in run.items() if not k.startswith("_")}
+    """A run as the reference keeps it: without its own replay's outputs (measured into ``errors`` already)."""
+    out = {k: v for k, v in run.items() if not k.startswith("_")}
+    models = {}
+    for name, values in run["models"].items():
+        evaluation = dict(values["eval"])
+        if "replay" in evaluation:
+            evaluation["replay"] = {"natural": evaluation["replay"]["natural"], "replayed": None}
+        models[name] = {**values, "eval": evaluation}
+    return {**out, "models": models}
 
 
 def _summary(s: Spread) -> dict[str, Any]:
@@ -564,21 +575,61 @@ def compare(
                if m not in expected]  # fmt: skip
     limits: dict[str, Any] = {}
     if mode != "exact" and judged:
-        limits, wider_checks = _limits(run, against, ref, precise, judged)
-        checks += wider_checks
+        limits = tolerances(against, {m: _add(e, e) for m, e in _reference_errors(ref, dtype, judged).items()})
     layers: dict[str, list[tuple[str, float]]] = {}
     faults: dict[str, str | None] = {}
     for model in judged:
         values, other = model_values(run, model), model_values(against, model)
+        replay_judged = False
+        source = against if precise is None else _precise_source(run, precise)
+        if mode == "reference" and has_replay(source, model):  # each block fed the source's input: the judgement
+            label = "replay" if precise is None else "bf16-vs-own-fp32"
+            measured = _replay_errors_of(ref, dtype, model)
+            r_checks, layers[model], faults[model] = replay_checks(
+                model, replay_spread(run, source, model), measured, dtype, label
+            )
+            checks += r_checks
+            replay_judged = True
         try:
             s = spread(values, other)
         except ValueError as exc:  # shapes that differ: a FAIL, not a bad input
             checks.append(Check(f"{model}.shape", FAIL, f"not comparable: {exc}"))
             faults[model] = "shape"
             continue
-        model_checks, layers[model], faults[model] = _model_checks(model, s, limits.get(model), values, mode)
+        model_checks, e2e_layers, e2e_fault = _model_checks(model, s, limits.get(model), values, mode)
+        if replay_judged:  # end to end, errors carried through every layer: a summary, not the judgement
+            model_checks = [_as_summary(c) for c in model_checks]
+        else:
+            layers[model], faults[model] = e2e_layers, e2e_fault
         checks += model_checks
     return Comparison(checks, layers, faults)
+
+
+def _as_summary(check: Check) -> Check:
+    if check.status != FAIL:
+        return check
+    return Check(check.check, WARN, f"summary, end to end (errors of every layer before it): {check.detail}",
+                 fix=check.fix)  # fmt: skip
+
+
+def _precise_source(run: Mapping[str, Any], precise: Mapping[str, Any]) -> Mapping[str, Any]:
+    """--precise: the run's own wider run on its node, from which the run was replayed (bf16 against fp32)."""
+    dtype, wider = run_dtype(run), run_dtype(precise)
+    if wider != PRECISE.get(dtype) or dtype != "bf16":
+        raise ParityCompareError(f"--precise {precise.get('_path')}: a {wider} run; a {dtype} run is judged against "
+                                 "its node's fp32 run (--precise takes a bf16 run's fp32 run only)")  # fmt: skip
+    if str(precise.get("device")) != str(run.get("device")):
+        where = f"{precise.get('device')}, the run on {run.get('device')}"
+        raise ParityCompareError(f"--precise {precise.get('_path')} ran on {where}: the run's error is measured on "
+                                 "its own platform")  # fmt: skip
+    return precise
+
+
+def _replay_errors_of(ref: Mapping[str, Any], dtype: str, model: str) -> dict[str, Any]:
+    where = f"{ref.get('_path')}: errors.{dtype}.{model}"
+    table = _mapping(f"{ref.get('_path')}: errors", ref.get("errors"))
+    entry = _mapping(where, _mapping(f"{ref.get('_path')}: errors.{dtype}", table.get(dtype, {})).get(model))
+    return _replay_profile(f"{where}.replay", entry.get("replay"))
 
 
 def _reference_errors(ref: Mapping[str, Any], dtype: str, models: Sequence[str]) -> dict[str, Any]:
@@ -592,49 +643,6 @@ def _reference_errors(ref: Mapping[str, Any], dtype: str, models: Sequence[str])
     if missing:
         raise ParityCompareError(f"{ref.get('_path')}: no measured errors for model {', '.join(missing)}")
     return {m: _profile(f"{ref.get('_path')}: errors.{dtype}.{m}", per_model[m]) for m in models}
-
-
-def _limits(run, against, ref, precise, models) -> tuple[dict[str, Any], list[Check]]:
-    """(tolerances per model, the checks of the wider runs' agreement) for the mode (module docstring)."""
-    dtype = run_dtype(run)
-    reference_errors = _reference_errors(ref, dtype, models)
-    if precise is None:
-        return tolerances(against, {m: _add(e, e) for m, e in reference_errors.items()}), []
-    wider = run_dtype(precise)
-    if wider != PRECISE.get(dtype):
-        raise ParityCompareError(f"--precise {precise.get('_path')}: a {wider} run; a {dtype} run's error is measured "
-                                 f"against {PRECISE.get(dtype, 'nothing wider')}")  # fmt: skip
-    if str(precise.get("device")) != str(run.get("device")):
-        where = f"{precise.get('device')}, the run on {run.get('device')}"
-        raise ParityCompareError(f"--precise {precise.get('_path')} ran on {where}: the run's error is measured on "
-                                 "its own platform")  # fmt: skip
-    own = errors(_only(run, models), _only(precise, models))
-    reference_wider = _only(reference_run(ref, wider), models)
-    apart = errors(_only(precise, models), reference_wider)  # how far the two wider runs are from each other
-    checks = []
-    # the two wider runs are far more precise than the run's dtype: they agree within its measured error
-    for model in models:
-        judged = tolerances(reference_wider, {model: reference_errors[model]}, resolution=dtype)[model]
-        s = spread(model_values(precise, model), model_values(reference_wider, model))
-        wider_checks, _, first = _model_checks(f"{model}.wider", s, judged, model_values(precise, model), "reference")
-        failed = [c for c in wider_checks if c.status == FAIL]
-        if failed:
-            detail = (f"{precise.get('_path')} and the reference's {wider} run differ by more than the {dtype} error: "
-                      f"a fault every dtype shares; first at {first or failed[0].check}")  # fmt: skip
-            checks.append(Check(f"{model}.wider", FAIL, detail, fix=_localise(first) if first else ""))
-            checks += failed
-        else:
-            checks.append(Check(f"{model}.wider", OK, f"the {wider} runs agree within the reference's {dtype} error"))
-    total = {m: _add(_add(reference_errors[m], own[m]), apart[m]) for m in models}
-    return tolerances(against, total), checks
-
-
-def _only(run: Mapping[str, Any], models: Sequence[str]) -> dict[str, Any]:
-    present = _mapping(f"{run.get('_path')}: models", run.get("models"))
-    missing = [m for m in models if m not in present]
-    if missing:
-        raise ParityCompareError(f"{run.get('_path')}: has no {', '.join(missing)} results")
-    return {**run, "models": {m: present[m] for m in models}}
 
 
 def _judge(name: str, value: float, limit: float, detail: str, *, at_least: bool = False) -> Check:
@@ -789,3 +797,250 @@ def plot(result: Comparison, path: str | Path, title: str) -> None:
 def as_table_title(run: Mapping[str, Any], against: Mapping[str, Any], mode: str) -> str:
     return (f"verl-npu parity: {run.get('_path')} ({run.get('device')}, {run.get('dtype')}, path {run.get('path')}) "
             f"vs {against.get('_path')} ({against.get('device')}), mode {mode}")  # fmt: skip
+
+
+# --- replay and one-step gradients (parity/replay.py, parity/gradients.py) ------------------------------------------
+def replay_source_run(path: str | Path, dtype: str) -> dict[str, Any]:
+    """The run a ``--replay-from`` file names: a run file itself, or a reference file's run of ``dtype``."""
+    path = Path(path)
+    try:
+        data = loads_json(read_bytes(path, MAX_FILE_BYTES).decode("utf-8"))
+    except NotReadable as exc:
+        raise ParityCompareError(f"--replay-from {path}: cannot read it ({exc})") from None
+    except (UnicodeDecodeError, ValueError, RecursionError, DuplicateKey) as exc:
+        raise ParityCompareError(f"--replay-from {path}: not a JSON file ({exc})") from None
+    kind = _mapping(str(path), data).get("kind")
+    if kind not in (RUN_KIND, REFERENCE_KIND):
+        raise ParityCompareError(f"--replay-from {path}: kind={kind!r}: expected a parity run or reference")
+    data = {**data, "_path": str(path)}
+    _kind_and_format(str(path), data, kind)
+    return reference_run(data, dtype) if kind == REFERENCE_KIND else data
+
+
+def has_replay(run: Mapping[str, Any], model: str) -> bool:
+    """Whether ``run`` recorded ``model``'s block-boundary tensors (a model with ``replay`` off has none)."""
+    m = _mapping(f"{run.get('_path', 'run')}: models", run.get("models")).get(model)
+    evaluation = m.get("eval") if isinstance(m, Mapping) else None
+    return isinstance(evaluation, Mapping) and evaluation.get("replay") is not None
+
+
+def natural_tensors(run: Mapping[str, Any], model: str) -> Mapping[str, Any]:
+    """A run's recorded block-boundary tensors of ``model`` (point -> stored tensor), non-empty."""
+    where = f"{run.get('_path', 'run')}: models.{model}"
+    m = _mapping(where, _mapping(f"{run.get('_path', 'run')}: models", run.get("models")).get(model))
+    replay = _mapping(f"{where}.eval.replay", _mapping(f"{where}.eval", m.get("eval")).get("replay"))
+    natural = _mapping(f"{where}.eval.replay.natural", replay.get("natural"))
+    if not natural:
+        raise ParityCompareError(f"{where}.eval.replay.natural: empty: the run recorded no block-boundary tensors")
+    return natural
+
+
+def _replayed(run: Mapping[str, Any], model: str) -> Mapping[str, Any] | None:
+    where = f"{run.get('_path', 'run')}: models.{model}.eval.replay"
+    m = _mapping(f"{run.get('_path', 'run')}: models", run.get("models")).get(model)
+    replay = _mapping(where, _mapping(f"{where}", _mapping("eval", _mapping("model", m).get("eval")).get("replay")))
+    value = replay.get("replayed")
+    return None if value is None else _mapping(f"{where}.replayed", value)
+
+
+def _decode_all(where: str, records: Mapping[str, Any]) -> dict[str, Any]:
+    from verl_npu.parity.replay import ReplayError, decode
+
+    try:
+        return {p: decode(f"{where}.{p}", r) for p, r in _mapping(where, records).items()}
+    except ReplayError as exc:
+        raise ParityCompareError(str(exc)) from None
+
+
+BLOCK_METRICS = ("rel_l2", "max")  # a block's difference relative to its output: in L2 norm, at its largest element
+
+
+def _relative(x: Any, r: Any) -> dict[str, float]:
+    """How far ``x`` is from ``r`` relative to ``r``: in L2 norm, and at the largest element."""
+    import torch
+
+    d = (x.double() - r.double()).abs()
+    scale_l2, scale_max = float(torch.linalg.vector_norm(r.double())), float(r.double().abs().max())
+    return {
+        "rel_l2": float(torch.linalg.vector_norm(d)) / max(scale_l2, 1e-300),
+        "max": float(d.max()) / max(scale_max, 1e-300),
+    }
+
+
+@dataclasses.dataclass(frozen=True)
+class ReplaySpread:
+    """How a replayed run's blocks differ from its source's (each block fed the source's own input)."""
+
+    blocks: dict[str, dict[str, float]]  # point (mbN/layers.N.self_attention | .mlp) -> rel_l2, max
+    logprob_max: float
+    logprob_mean: float
+    topk_overlap: dict[str, float]
+    missing_topk: list[str]  # DSA layers whose top-k the source recorded and the replay did not
+    extra_topk: list[str]
+    gradients: dict[str, float]  # group -> relative difference of the step-0 gradient sketches
+    updates: dict[str, float]
+
+
+def replay_spread(run: Mapping[str, Any], source: Mapping[str, Any], model: str) -> ReplaySpread:
+    """``run``'s replayed blocks against ``source``'s own (``run`` must have been fed ``source``: its recorded
+    source digest must be that of ``source``'s natural tensors), and its step-0 gradients and update against
+    ``source``'s. Raises ParityCompareError for a run that was not replayed from ``source``."""
+    from verl_npu.parity.replay import ReplayError, contributions, digest
+
+    where = f"{run.get('_path', 'run')}: models.{model}"
+    replayed = _replayed(run, model)
+    natural = natural_tensors(source, model)
+    if replayed is None:
+        raise ParityCompareError(f"{where}: the run was not replayed (make it with --replay-from "
+                                 f"{source.get('_path')})")  # fmt: skip
+    identity = _mapping(f"{where}.eval.replay.replayed.source", replayed.get("source"))
+    if identity.get("digest") != digest(natural):
+        raise ParityCompareError(
+            f"{where}: replayed from {identity.get('path')}, not from {source.get('_path')} (their natural tensors "
+            "differ): remake the run with --replay-from the latter"
+        )
+    try:
+        expected = contributions(_decode_all(f"{source.get('_path')}: models.{model}.eval.replay.natural", natural))
+    except ReplayError as exc:
+        raise ParityCompareError(f"{source.get('_path')}: {exc}") from None
+    outputs = _decode_all(f"{where}.eval.replay.replayed.outputs", replayed.get("outputs"))
+    missing = sorted(set(expected) - set(outputs))
+    if missing:
+        raise ParityCompareError(f"{where}: the replay has no {', '.join(missing[:4])}: a block did not run")
+    blocks = {p: _relative(outputs[p], expected[p]) for p in sorted(expected, key=depth)}
+    ours = _logprobs(f"{where}.eval.replay.replayed.logprobs", [row for mb in _list(
+        f"{where}.eval.replay.replayed.logprobs", replayed.get("logprobs")) for row in _list("mb", mb)])  # fmt: skip
+    theirs = model_values(source, model).logprobs
+    _same_shape("replayed log-probs", ours, theirs)
+    d = [abs(x - y) for x, y in zip(_flat(ours), _flat(theirs), strict=True)]
+    topk = _topk(f"{where}.eval.replay.replayed.topk", replayed.get("topk", {}))
+    source_topk = model_values(source, model).topk
+    return ReplaySpread(
+        blocks=blocks,
+        logprob_max=max(d),
+        logprob_mean=sum(d) / len(d),
+        topk_overlap={layer: overlap(topk[layer], sets) for layer, sets in source_topk.items() if layer in topk},
+        missing_topk=sorted(set(source_topk) - set(topk), key=depth),
+        extra_topk=sorted(set(topk) - set(source_topk), key=depth),
+        gradients=_sketch_spread(f"{where}.train.gradients", run, source, model, "gradients"),
+        updates=_sketch_spread(f"{where}.train.updates", run, source, model, "updates"),
+    )
+
+
+def _sketches(run: Mapping[str, Any], model: str, key: str) -> dict[str, list[float]]:
+    where = f"{run.get('_path', 'run')}: models.{model}.train.{key}"
+    m = _mapping(f"{run.get('_path', 'run')}: models", run.get("models")).get(model)
+    groups = _mapping(where, _mapping(f"{where}", _mapping("model", m).get("train")).get(key))
+    out = {}
+    for group, entry in groups.items():
+        sketch = _series(f"{where}.{group}.sketch", _mapping(f"{where}.{group}", entry).get("sketch"))
+        out[group] = sketch
+    if not out:
+        raise ParityCompareError(f"{where}: empty: nothing to compare")
+    return out
+
+
+def _sketch_spread(where: str, run, source, model: str, key: str) -> dict[str, float]:
+    ours, theirs = _sketches(run, model, key), _sketches(source, model, key)
+    if set(ours) != set(theirs):
+        raise ParityCompareError(f"{where}: groups {sorted(ours)[:6]} against {sorted(theirs)[:6]}")
+    out = {}
+    for group, r in theirs.items():
+        x = ours[group]
+        if len(x) != len(r):
+            raise ParityCompareError(f"{where}.{group}: sketches of {len(x)} and {len(r)} values")
+        scale = math.sqrt(math.fsum(v * v for v in r))
+        out[group] = math.sqrt(math.fsum((a - b) ** 2 for a, b in zip(x, r, strict=True))) / max(scale, 1e-300)
+    return out
+
+
+def replay_errors(spread_: ReplaySpread) -> dict[str, Any]:
+    """A replay spread as the measured-error profile a reference records (``errors[dtype][model]["replay"]``)."""
+    return {
+        "blocks": spread_.blocks,
+        "logprob_max": spread_.logprob_max,
+        "logprob_mean": spread_.logprob_mean,
+        "topk_disagreement": {layer: 1.0 - v for layer, v in spread_.topk_overlap.items()},
+        "gradients": spread_.gradients,
+        "updates": spread_.updates,
+    }
+
+
+def _replay_profile(where: str, value: Any) -> dict[str, Any]:
+    e = _mapping(where, value)
+
+    def number(key: str, v: Any) -> float:
+        x = _finite(f"{where}.{key}", v)
+        if x < 0:
+            raise ParityCompareError(f"{where}.{key}={x}: an error is never negative")
+        return x
+
+    return {
+        "blocks": {p: {k: number(f"blocks.{p}.{k}", _mapping(f"{where}.blocks.{p}", v).get(k)) for k in BLOCK_METRICS}
+                   for p, v in _mapping(f"{where}.blocks", e.get("blocks")).items()},
+        "logprob_max": number("logprob_max", e.get("logprob_max")),
+        "logprob_mean": number("logprob_mean", e.get("logprob_mean")),
+        "topk_disagreement": {k: number(f"topk_disagreement.{k}", v)
+                              for k, v in _mapping(f"{where}.topk_disagreement", e.get("topk_disagreement")).items()},
+        **{key: {k: number(f"{key}.{k}", v) for k, v in _mapping(f"{where}.{key}", e.get(key)).items()}
+           for key in ("gradients", "updates")},
+    }  # fmt: skip
+
+
+def replay_checks(model: str, s: ReplaySpread, measured: Mapping[str, Any], dtype: str, label: str):
+    """(checks, per-block |d| / tolerance by depth, the first block out of tolerance) of one replayed model: each
+    tolerance TRIANGLE x the reference's measured error of that block (or group, or layer), at least the unit
+    roundoff of ``dtype``."""
+    u = UNIT_ROUNDOFF[dtype]
+    checks: list[Check] = []
+    ratios: list[tuple[str, float]] = []
+    bad: list[str] = []
+    blocks = measured["blocks"]
+    for point, values in s.blocks.items():
+        if point not in blocks:
+            checks.append(Check(f"{model}.{label}.{point}", FAIL, "the reference measured no error for this block"))
+            bad.append(point)
+            continue
+        limit = {k: max(TRIANGLE * blocks[point][k], u) for k in BLOCK_METRICS}
+        ratio = max(_ratio(values[k], limit[k]) for k in limit)
+        ratios.append((point, ratio))
+        if ratio > 1.0 or not math.isfinite(ratio):
+            bad.append(point)
+            shown = ", ".join(f"{k} {values[k]:.3g} (allowed <= {limit[k]:.3g})" for k in limit)
+            detail = f"fed the source's input, this block differs: {shown}"
+            checks.append(Check(f"{model}.{label}.{point}", FAIL, detail, fix=_localise(point)))
+    scale = u * 64.0
+    checks.append(_judge(f"{model}.{label}.logprobs.max", s.logprob_max, max(TRIANGLE * measured["logprob_max"], scale),
+                         "final norm + output layer on the source's last hidden state: max |d log-prob|"))  # fmt: skip
+    checks.append(_judge(f"{model}.{label}.logprobs.mean", s.logprob_mean,
+                         max(TRIANGLE * measured["logprob_mean"], scale), "mean |d log-prob|"))  # fmt: skip
+    for layer, value in s.topk_overlap.items():
+        disagreement = measured["topk_disagreement"].get(layer)
+        if disagreement is None:
+            checks.append(Check(f"{model}.{label}.topk.{layer}", FAIL, "the reference measured no top-k error here"))
+            continue
+        checks.append(_judge(f"{model}.{label}.topk.{layer}", value, max(0.0, 1.0 - TRIANGLE * disagreement),
+                             "fed the source's input, overlap of the selected keys", at_least=True))  # fmt: skip
+    for layer in s.missing_topk:
+        checks.append(Check(f"{model}.{label}.topk.{layer}", FAIL, "the source's DSA layer recorded a top-k here, the "
+                            "replay none (the layer did not select or reuse one)"))  # fmt: skip
+        bad.append(layer)
+    for layer in s.extra_topk:
+        checks.append(Check(f"{model}.{label}.topk.{layer}", FAIL, "a top-k the source's layer has not"))
+        bad.append(layer)
+    for key in ("gradients", "updates"):
+        for group, value in getattr(s, key).items():
+            limit = measured[key].get(group)
+            if limit is None:
+                checks.append(Check(f"{model}.{label}.{key}.{group}", FAIL, "the reference measured no error here"))
+                continue
+            checks.append(_judge(f"{model}.{label}.{key}.{group}", value, max(TRIANGLE * limit, u),
+                                 f"step 0 {key[:-1]} of this group, relative |d sketch|"))  # fmt: skip
+    first = next((p for p in sorted(bad, key=depth)), None)
+    if first is None:
+        checks.append(Check(f"{model}.{label}", OK, f"{len(s.blocks)} blocks within tolerance, each fed the "
+                                                    "source's input"))  # fmt: skip
+    else:
+        checks.append(Check(f"{model}.{label}", FAIL, f"first block out of tolerance, fed the source's input: {first}",
+                            fix=_localise(first)))  # fmt: skip
+    return checks, ratios, first

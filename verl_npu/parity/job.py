@@ -50,10 +50,10 @@ from verl_npu.parity.models import (
 )
 
 RUN_KIND = "verl-npu parity run"
-FORMAT = 1
+FORMAT = 2  # 2: block-boundary tensors and replay (parity/replay.py), step-0 gradient and update sketches
 DTYPES = ("bf16", "fp32", "fp64")
 PATHS = ("default", "portable", "fused")
-DEFAULT_STEPS = 3
+DEFAULT_STEPS = 1  # one step's gradients and update are judged; later steps' losses diverge chaotically
 MAX_STEPS = 100  # a run records every step's loss and gradient norm per model: a few steps say what parity needs
 LEARNING_RATE = 1e-3
 # MindSpeed's four DSA switches (they go on together: verl_npu/contracts/mindspeed.py)
@@ -71,6 +71,7 @@ class RunOptions:
     dtype: str = "fp32"
     steps: int = DEFAULT_STEPS
     path: str = "default"
+    replay_from: str | None = None  # a run or reference whose natural tensors each block is fed (parity/replay.py)
 
     def __post_init__(self) -> None:
         from verl_npu import inputs
@@ -310,8 +311,11 @@ def _forward_backward(built: Built, batches: Sequence[Any], loss: Callable[[Any,
     return seen
 
 
-def evaluate(built: Built, model: ParityModel, device: Device, probes: Any = None) -> dict[str, Any]:
-    """Log-probs of the evaluation batch; with ``probes``, the checksums and every DSA layer's top-k too."""
+def evaluate(
+    built: Built, model: ParityModel, device: Device, probes: Any = None, recorder: Any = None, source: Any = None
+) -> dict[str, Any]:
+    """Log-probs of the evaluation batch; with ``probes``, the checksums and every DSA layer's top-k too; with
+    ``recorder``, the block-boundary tensors (parity/replay.py) and, given a ``source``, the replayed blocks."""
     import torch
 
     from verl_npu.engine import index_share
@@ -335,16 +339,40 @@ def evaluate(built: Built, model: ParityModel, device: Device, probes: Any = Non
         else:
             records = []
             for index, micro in enumerate(batches):  # one forward per micro-batch, each inside its recording
-                with probes.recording(index), index_share.record_topk() as trace:
+                natural = recorder.recording(index) if recorder is not None else contextlib.nullcontext()
+                with probes.recording(index), natural, index_share.record_topk() as trace:
                     records += _forward_backward(built, [micro], lambda lg, tk, _i, n=index: loss(lg, tk, n), True)
                 for layer_number, (kind, indices) in sorted(trace.items()):
                     topk[f"mb{index}/layers.{layer_number - 1}"] = topk_record(kind, indices)
+            replayed = _replay(built, batches, recorder, source) if source is not None else None
     for chunk in built.module:
         chunk.train()
     result: dict[str, Any] = {"logprobs": [row for r in records for row in r.double().cpu().tolist()]}
     if probes is not None:
         result |= {"checksums": list(probes.records), "topk": topk, "indexer_qk": probes.indexer_qk}
+    if recorder is not None:
+        result["replay"] = {"natural": dict(recorder.natural), "replayed": replayed}
     return result
+
+
+def _log_probs_only(logits: Any, tokens: Any, _index: int) -> tuple[Any, Any]:
+    return logits.float().sum() * 0.0, token_log_probs(logits, tokens)
+
+
+def _replay(built: Built, batches: Sequence[Any], recorder: Any, source: Any) -> dict[str, Any]:
+    """Each micro-batch again, every block fed the source's input (parity/replay.py): what each block adds, the
+    log-probs from the source's last hidden state, every DSA layer's top-k."""
+    from verl_npu.engine import index_share
+    from verl_npu.parity.probes import topk_record
+
+    logprobs, topk = [], {}
+    for index, micro in enumerate(batches):
+        with recorder.replaying(index, source.tensors), index_share.record_topk() as trace:
+            rows = _forward_backward(built, [micro], _log_probs_only, True)
+        logprobs.append([row for r in rows for row in r.double().cpu().tolist()])
+        for layer_number, (kind, indices) in sorted(trace.items()):
+            topk[f"mb{index}/layers.{layer_number - 1}"] = topk_record(kind, indices)
+    return {"source": source.identity, "outputs": dict(recorder.replayed), "logprobs": logprobs, "topk": topk}
 
 
 def train(built: Built, model: ParityModel, device: Device, steps: int) -> dict[str, Any]:
@@ -352,9 +380,11 @@ def train(built: Built, model: ParityModel, device: Device, steps: int) -> dict[
     import torch
 
     from verl_npu.engine.offload import OffloadManager
+    from verl_npu.parity.gradients import sketches
 
     manager = OffloadManager(built.module, built.optimizer, device=device.torch_device)
     losses, grad_norms = [], []
+    first: dict[str, Any] = {}  # step 0's gradient and update sketches (parity/gradients.py)
     for step in range(steps):
         if step:
             manager.offload(["params", "grads", "optimizer"])
@@ -373,15 +403,29 @@ def train(built: Built, model: ParityModel, device: Device, steps: int) -> dict[
             chunk.zero_grad_buffer()
         built.optimizer.zero_grad()
         step_losses = _forward_backward(built, batches, loss, forward_only=False)
+        if step == 0:
+            first["gradients"] = sketches(_named(built, "main_grad"))
+            before = {name: p.detach().to("cpu", copy=True) for name, p in _named(built)}
         grad_norm = _clip(built.module, CLIP_GRAD) if built.clip_here else None
         ok, megatron_norm, _ = built.optimizer.step()
+        if step == 0:
+            first["updates"] = sketches((name, p.detach().cpu() - before[name]) for name, p in _named(built))
         grad_norm = megatron_norm if grad_norm is None else grad_norm
         if not ok:
             raise RuntimeError(f"parity run: the optimizer skipped step {step} (a non-finite gradient)")
         losses.append(float(torch.stack(step_losses).double().mean()))
         grad_norms.append(float(grad_norm))
     manager.close() if hasattr(manager, "close") else None
-    return {"losses": losses, "grad_norms": grad_norms}
+    return {"losses": losses, "grad_norms": grad_norms, **first}
+
+
+def _named(built: Built, attribute: str | None = None) -> list[tuple[str, Any]]:
+    """(name, parameter) of the model, or (name, the parameter's ``attribute``) where it has one."""
+    out = []
+    for chunk in built.module:
+        for name, p in _gpt(chunk).named_parameters():
+            out.append((name, p if attribute is None else getattr(p, attribute, None)))
+    return out
 
 
 def _clip(module: list[Any], max_norm: float) -> float:
@@ -398,12 +442,15 @@ def _clip(module: list[Any], max_norm: float) -> float:
     return norm
 
 
-def run_model(model: ParityModel, device: Device, dtype: str, steps: int, path: str) -> dict[str, Any]:
-    """One model's numbers (module docstring), from a fresh build."""
+def run_model(
+    model: ParityModel, device: Device, dtype: str, steps: int, path: str, source: Any = None
+) -> dict[str, Any]:
+    """One model's numbers (module docstring), from a fresh build; ``source``: the model's replay source."""
     import torch
     from megatron.core import tensor_parallel
 
     from verl_npu.parity.probes import Probes
+    from verl_npu.parity.replay import Recorder
 
     torch.manual_seed(0)
     tensor_parallel.model_parallel_cuda_manual_seed(0)
@@ -411,7 +458,8 @@ def run_model(model: ParityModel, device: Device, dtype: str, steps: int, path: 
         checkpoint = write_checkpoint(model, directory)
         built = build(model, checkpoint, device, dtype, path)
     probes = Probes(built.gpt)
-    evaluation = evaluate(built, model, device, probes)
+    recorder = Recorder(built.gpt) if model.replay else None
+    evaluation = evaluate(built, model, device, probes, recorder, source if model.replay else None)
     training = train(built, model, device, steps)
     after = evaluate(built, model, device)
     return {
@@ -428,11 +476,17 @@ def run(options: RunOptions) -> dict[str, Any]:
 
     if options.path == "portable":
         os.environ["VERL_NPU_OPS_BACKEND"] = "portable"  # verl-npu's PyTorch operators only (verl_npu.ops.dispatch)
+    from verl_npu.parity.replay import source_of
+
+    sources = dict.fromkeys(options.models)
+    if options.replay_from:
+        sources |= {m: source_of(options.replay_from, m, options.dtype) for m in options.models if MODELS[m].replay}
     device = start_device()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         models = {
-            name: run_model(MODELS[name], device, options.dtype, options.steps, options.path) for name in options.models
+            name: run_model(MODELS[name], device, options.dtype, options.steps, options.path, sources[name])
+            for name in options.models
         }
     nondeterministic = sorted({str(w.message).split(".")[0][:200] for w in caught if "deterministic" in str(w.message)})
     return {
@@ -444,6 +498,7 @@ def run(options: RunOptions) -> dict[str, Any]:
         "dtype": options.dtype,
         "path": options.path,
         "steps": options.steps,
+        "replay_from": options.replay_from,
         "versions": versions(),
         "nondeterministic_ops": nondeterministic,  # torch's warnings under use_deterministic_algorithms(warn_only)
         "models": models,

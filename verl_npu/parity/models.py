@@ -19,7 +19,8 @@ transformers versions. Weights are stored in bf16, as the published checkpoints 
 exactly, so bf16 and fp32 runs differ in arithmetic only. Two kinds of tensors are scaled to make a fault visible:
 attention and routing are sharpened (a wrong RoPE layout or router mapping would otherwise hardly move the
 log-probs), and the indexer's key projection is scaled so that keys have a variance of the order of their
-LayerNorm's eps, where the reference's eps (1e-6) and megatron-core's (1e-5) select different keys.
+LayerNorm's eps, where the reference's eps (1e-6) and megatron-core's (1e-5) select different keys; and MLA's
+query and key-value latents are drawn small enough that their RMSNorms' eps changes them.
 """
 
 from __future__ import annotations
@@ -55,6 +56,9 @@ class ParityModel:
     batch: int  # sequences per step and in the evaluation batch
     micro_batches: int  # the batch is split in this many (a top-k must not leak between them)
     fused_dsa: bool = False  # its shapes are the ones Ascend's fused DSA operators take
+    # its block-boundary tensors are recorded and replayed (verl_npu/parity/replay.py); off where they would not
+    # fit a reference of a few MiB (2048-token sequences: tens of MiB per dtype)
+    replay: bool = True
 
     def __post_init__(self) -> None:
         if self.family not in _FAMILIES:  # a misspelt family must not build another architecture
@@ -139,7 +143,7 @@ MODELS: dict[str, ParityModel] = {
             q_lora_rank=128, kv_lora_rank=512, qk_nope_head_dim=32, qk_rope_head_dim=64, v_head_dim=32,
             index_n_heads=32, index_head_dim=128, index_topk=1024, max_position_embeddings=4096,
         ),
-        seq_len=2048, batch=2, micro_batches=2, fused_dsa=True,
+        seq_len=2048, batch=2, micro_batches=2, fused_dsa=True, replay=False,
     ),
     "dense": ParityModel(
         "dense",
@@ -199,10 +203,10 @@ def _glm5_2_tensors(c: dict[str, Any]) -> dict[str, tuple[tuple[int, ...], str]]
         out |= {
             p + "input_layernorm.weight": ((h,), "norm"),
             p + "post_attention_layernorm.weight": ((h,), "norm"),
-            p + "self_attn.q_a_proj.weight": ((q_lora, h), "linear"),
+            p + "self_attn.q_a_proj.weight": ((q_lora, h), "latent"),
             p + "self_attn.q_a_layernorm.weight": ((q_lora,), "norm"),
             p + "self_attn.q_b_proj.weight": ((heads * (nope + rope), q_lora), "sharp"),
-            p + "self_attn.kv_a_proj_with_mqa.weight": ((kv_lora + rope, h), "sharp"),
+            p + "self_attn.kv_a_proj_with_mqa.weight": ((kv_lora + rope, h), f"latent_rows:{kv_lora}"),
             p + "self_attn.kv_a_layernorm.weight": ((kv_lora,), "norm"),
             p + "self_attn.kv_b_proj.weight": ((heads * (nope + v), kv_lora), "linear"),
             p + "self_attn.o_proj.weight": ((h, heads * v), "linear"),
@@ -267,6 +271,11 @@ def checkpoint_tensors(model: ParityModel) -> dict[str, tuple[tuple[int, ...], s
     return _qwen2_tensors(model.config)
 
 
+# MLA's q and kv latents (before their RMSNorms) drawn with a variance of ~1e-5, the order of the norms' eps: the
+# eps the engine gives them (the config's rms_norm_eps, as vLLM's rollout: docs/parity.md) then decides their scale
+LATENT_SCALE = 3e-3
+
+
 def _values(name: str, shape: tuple[int, ...], kind: str) -> Any:
     u = uniform(name, math.prod(shape)).reshape(shape)
     fan_in = shape[-1] if len(shape) > 1 else 1
@@ -282,6 +291,15 @@ def _values(name: str, shape: tuple[int, ...], kind: str) -> Any:
     if kind == "indexer_key":
         # keys of variance ~3e-6 over the head dim: the order of the key norm's eps (module docstring)
         return 2e-3 * scale * u
+    if kind == "latent":
+        return LATENT_SCALE * scale * u
+    if kind.startswith("latent_rows:"):
+        # MLA's kv_a projection: its first rows make the normed latent, the rest the RoPE key, kept sharp (a
+        # small RoPE key would hide a wrong RoPE layout)
+        rows = int(kind.partition(":")[2])
+        values = 3.0 * scale * u
+        values[:rows] *= LATENT_SCALE / 3.0
+        return values
     return scale * u
 
 

@@ -390,6 +390,8 @@ def _add(a: Mapping[str, Any], b: Mapping[str, Any]) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for key, value in a.items():
         other = b.get(key, value)
+        if key == "replay":  # block errors are judged one at a time (replay_checks), never summed
+            continue
         if isinstance(value, list):
             out[key] = [x + (other[i] if i < len(other) else x) for i, x in enumerate(value)]
         elif isinstance(value, Mapping):
@@ -852,19 +854,18 @@ def _decode_all(where: str, records: Mapping[str, Any]) -> dict[str, Any]:
         raise ParityCompareError(str(exc)) from None
 
 
-BLOCK_METRICS = ("rel_l2", "max")  # a block's difference relative to its output: in L2 norm, at its largest element
+# a block's difference relative to its output, in L2 norm: a statistic of thousands of elements, which the triangle
+# inequality bounds as it bounds each; a largest element is one sample, and a correct platform's worst element is
+# as often worse than the reference's as better (measured: CPU against nvidia-h200, fp32, up to 1.3x)
+BLOCK_METRICS = ("rel_l2",)
 
 
 def _relative(x: Any, r: Any) -> dict[str, float]:
-    """How far ``x`` is from ``r`` relative to ``r``: in L2 norm, and at the largest element."""
+    """How far ``x`` is from ``r`` relative to ``r``, in L2 norm."""
     import torch
 
-    d = (x.double() - r.double()).abs()
-    scale_l2, scale_max = float(torch.linalg.vector_norm(r.double())), float(r.double().abs().max())
-    return {
-        "rel_l2": float(torch.linalg.vector_norm(d)) / max(scale_l2, 1e-300),
-        "max": float(d.max()) / max(scale_max, 1e-300),
-    }
+    d = x.double() - r.double()
+    return {"rel_l2": float(torch.linalg.vector_norm(d)) / max(float(torch.linalg.vector_norm(r.double())), 1e-300)}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -877,8 +878,8 @@ class ReplaySpread:
     topk_overlap: dict[str, float]
     missing_topk: list[str]  # DSA layers whose top-k the source recorded and the replay did not
     extra_topk: list[str]
-    gradients: dict[str, float]  # group -> relative difference of the step-0 gradient sketches
-    updates: dict[str, float]
+    gradients: dict[str, float]  # group -> relative difference of the gradient probes' sketches
+    updates: dict[str, float]  # group -> step 0's update against AdamW's from the same gradients (the run's own)
 
 
 def replay_spread(run: Mapping[str, Any], source: Mapping[str, Any], model: str) -> ReplaySpread:
@@ -923,14 +924,24 @@ def replay_spread(run: Mapping[str, Any], source: Mapping[str, Any], model: str)
         missing_topk=sorted(set(source_topk) - set(topk), key=depth),
         extra_topk=sorted(set(topk) - set(source_topk), key=depth),
         gradients=_sketch_spread(f"{where}.train.gradients", run, source, model, "gradients"),
-        updates=_sketch_spread(f"{where}.train.updates", run, source, model, "updates"),
+        updates=update_residuals(run, model),
     )
 
 
-def _sketches(run: Mapping[str, Any], model: str, key: str) -> dict[str, list[float]]:
-    where = f"{run.get('_path', 'run')}: models.{model}.train.{key}"
+def update_residuals(run: Mapping[str, Any], model: str) -> dict[str, float]:
+    """Per group, how far the run's step-0 update is from AdamW's on the host from the same gradients (relative);
+    empty for a bf16 run (its weights round away an update of the learning rate's size)."""
+    if run_dtype(run) == "bf16":
+        return {}
+    where = f"{run.get('_path', 'run')}: models.{model}.train.update"
     m = _mapping(f"{run.get('_path', 'run')}: models", run.get("models")).get(model)
-    groups = _mapping(where, _mapping(f"{where}", _mapping("model", m).get("train")).get(key))
+    update = _mapping(where, _mapping("train", _mapping("model", m).get("train")).get("update"))
+    actual = _sketches(_mapping(f"{where}.actual", update.get("actual")), f"{where}.actual")
+    expected = _sketches(_mapping(f"{where}.expected", update.get("expected")), f"{where}.expected")
+    return _relative_sketches(where, actual, expected)
+
+
+def _sketches(groups: Mapping[str, Any], where: str) -> dict[str, list[float]]:
     out = {}
     for group, entry in groups.items():
         sketch = _series(f"{where}.{group}.sketch", _mapping(f"{where}.{group}", entry).get("sketch"))
@@ -940,8 +951,18 @@ def _sketches(run: Mapping[str, Any], model: str, key: str) -> dict[str, list[fl
     return out
 
 
+def _train_sketches(run: Mapping[str, Any], model: str, key: str) -> dict[str, list[float]]:
+    where = f"{run.get('_path', 'run')}: models.{model}.train.{key}"
+    m = _mapping(f"{run.get('_path', 'run')}: models", run.get("models")).get(model)
+    return _sketches(_mapping(where, _mapping("train", _mapping("model", m).get("train")).get(key)), where)
+
+
 def _sketch_spread(where: str, run, source, model: str, key: str) -> dict[str, float]:
-    ours, theirs = _sketches(run, model, key), _sketches(source, model, key)
+    return _relative_sketches(where, _train_sketches(run, model, key), _train_sketches(source, model, key))
+
+
+def _relative_sketches(where: str, ours: Mapping[str, list[float]], theirs: Mapping[str, list[float]]):
+    """Per group, |ours - theirs| / |theirs| of two sketches of the same groups."""
     if set(ours) != set(theirs):
         raise ParityCompareError(f"{where}: groups {sorted(ours)[:6]} against {sorted(theirs)[:6]}")
     out = {}
@@ -1034,8 +1055,9 @@ def replay_checks(model: str, s: ReplaySpread, measured: Mapping[str, Any], dtyp
             if limit is None:
                 checks.append(Check(f"{model}.{label}.{key}.{group}", FAIL, "the reference measured no error here"))
                 continue
+            what = "gradient probe" if key == "gradients" else "step 0's update against AdamW's from its gradients"
             checks.append(_judge(f"{model}.{label}.{key}.{group}", value, max(TRIANGLE * limit, u),
-                                 f"step 0 {key[:-1]} of this group, relative |d sketch|"))  # fmt: skip
+                                 f"{what}, relative |d sketch| of this group"))  # fmt: skip
     first = next((p for p in sorted(bad, key=depth)), None)
     if first is None:
         checks.append(Check(f"{model}.{label}", OK, f"{len(s.blocks)} blocks within tolerance, each fed the "

@@ -50,6 +50,8 @@ def group(name: str) -> str:
 def sketches(named: Iterable[tuple[str, Any]]) -> dict[str, dict[str, Any]]:
     """Per group: ``sketch`` (SKETCH_DIM projections) and ``norm`` of the named tensors (parameters' gradients,
     updates), in float64 on the host."""
+    import torch
+
     from verl_npu.parity.models import uniform
 
     out: dict[str, dict[str, Any]] = {}
@@ -57,7 +59,8 @@ def sketches(named: Iterable[tuple[str, Any]]) -> dict[str, dict[str, Any]]:
         if tensor is None:
             continue
         key = canonical(name)
-        values = tensor.detach().to("cpu").double().numpy().ravel()
+        # a copy: numpy would otherwise share (and pin the size of) a CPU tensor's storage, which offload resizes
+        values = tensor.detach().to("cpu", torch.float64, copy=True).numpy().ravel()
         directions = np.stack([uniform(f"parity/sketch/{key}/{k}", values.size) for k in range(SKETCH_DIM)])
         entry = out.setdefault(group(key), {"sketch": np.zeros(SKETCH_DIM), "square": 0.0, "size": 0})
         entry["sketch"] += directions @ values
@@ -66,4 +69,41 @@ def sketches(named: Iterable[tuple[str, Any]]) -> dict[str, dict[str, Any]]:
     return {
         g: {"sketch": [float(x) for x in e["sketch"]], "norm": float(np.sqrt(e["square"])), "size": e["size"]}
         for g, e in sorted(out.items())
+    }
+
+
+ADAM_EPS = 1e-8  # megatron-core 0.18's OptimizerConfig.adam_eps, which the parity job leaves as is
+
+
+def no_weight_decay(name: str, shape: tuple[int, ...]) -> bool:
+    """megatron-core 0.18's default rule (optimizer/__init__.py): biases and one-dimensional parameters (norm
+    weights) take no weight decay."""
+    return len(shape) == 1 or name.endswith(".bias")
+
+
+def expected_update(before: dict[str, Any], grads: dict[str, Any], optimizer: dict[str, Any], max_norm: float):
+    """What AdamW's first step does to each parameter, in float64 on the host: the gradients clipped to
+    ``max_norm`` by their global L2 norm (coefficient max_norm / (norm + 1e-6) when below 1, as megatron clips),
+    then -lr * (wd * p + g / (|g| + eps)): at step 1 the bias-corrected moments are g and g^2."""
+    import torch
+
+    norm = float(torch.sqrt(sum(g.pow(2).sum() for g in grads.values())))
+    coefficient = min(1.0, max_norm / (norm + 1.0e-6))
+    lr, wd = optimizer["lr"], optimizer["weight_decay"]
+    out = {}
+    for name, p in before.items():
+        g = grads.get(name)
+        decay = 0.0 if no_weight_decay(name, tuple(p.shape)) else wd
+        step = torch.zeros_like(p) if g is None else (g * coefficient) / ((g * coefficient).abs() + ADAM_EPS)
+        out[name] = -lr * (decay * p + step)
+    return out
+
+
+def update_check(before: dict[str, Any], grads: dict[str, Any], after: dict[str, Any], optimizer, max_norm: float):
+    """Step 0's update as the platform's optimizer made it (``after - before``, the offload manager's round trip
+    included) and as AdamW makes it from the same gradients (:func:`expected_update`), sketched per group."""
+    expected = expected_update(before, grads, optimizer, max_norm)
+    return {
+        "actual": sketches((name, after[name] - before[name]) for name in before),
+        "expected": sketches(expected.items()),
     }

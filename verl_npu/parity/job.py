@@ -53,7 +53,9 @@ RUN_KIND = "verl-npu parity run"
 FORMAT = 2  # 2: block-boundary tensors and replay (parity/replay.py), step-0 gradient and update sketches
 DTYPES = ("bf16", "fp32", "fp64")
 PATHS = ("default", "portable", "fused")
-DEFAULT_STEPS = 1  # one step's gradients and update are judged; later steps' losses diverge chaotically
+# step 0's gradients and update are judged; a second step runs on what the offload manager moved to the host and
+# back (a summary: later steps' losses diverge chaotically between correct platforms)
+DEFAULT_STEPS = 2
 MAX_STEPS = 100  # a run records every step's loss and gradient norm per model: a few steps say what parity needs
 LEARNING_RATE = 1e-3
 # MindSpeed's four DSA switches (they go on together: verl_npu/contracts/mindspeed.py)
@@ -209,6 +211,7 @@ class Built:
     optimizer: Any
     plan: Any
     gpt: Any
+    dtype: str
     clip_here: bool = False  # fp64: megatron's clipping takes fp32 gradients only, so the job clips (same formula)
 
 
@@ -246,9 +249,13 @@ def build(model: ParityModel, checkpoint: Path, device: Device, dtype: str, path
         use_distributed_optimizer=distributed,
     )  # fmt: skip
     optimizer = get_megatron_optimizer(optimizer_config, module)
+    for group in optimizer.param_groups:
+        # megatron's param groups carry wd_mult (0 for biases and norm weights), which only its parameter scheduler
+        # applies; verl's engine runs one, the job has none: apply it as the scheduler's first step does
+        group["weight_decay"] = OPTIMIZER["weight_decay"] * group.get("wd_mult", 1.0)
     config.finalize_model_grads_func = finalize_model_grads
     config.grad_scale_func = optimizer.scale_loss
-    return Built(module, optimizer, plan, _gpt(module[0]), clip_here=dtype == "fp64")
+    return Built(module, optimizer, plan, _gpt(module[0]), dtype, clip_here=dtype == "fp64")
 
 
 def as_verl_loads_it(hf_config: Any) -> Any:
@@ -380,15 +387,14 @@ def train(built: Built, model: ParityModel, device: Device, steps: int) -> dict[
     import torch
 
     from verl_npu.engine.offload import OffloadManager
-    from verl_npu.parity.gradients import sketches
+    from verl_npu.parity.gradients import update_check
 
     manager = OffloadManager(built.module, built.optimizer, device=device.torch_device)
     losses, grad_norms = [], []
-    first: dict[str, Any] = {}  # step 0's gradient and update sketches (parity/gradients.py)
+    first: dict[str, Any] = {}  # step 0's update against AdamW's on the host (parity/gradients.py)
     for step in range(steps):
         if step:
-            manager.offload(["params", "grads", "optimizer"])
-            manager.onload(["params", "grads", "optimizer"])
+            _offload_cycle(manager)
         tokens = torch.from_numpy(training_tokens(model, step)).to(device.torch_device)
         weights = torch.from_numpy(advantages(model, step)).to(device.torch_device)[:, 1:]
         batches = _micro_batches(tokens, model.micro_batches)
@@ -403,13 +409,15 @@ def train(built: Built, model: ParityModel, device: Device, steps: int) -> dict[
             chunk.zero_grad_buffer()
         built.optimizer.zero_grad()
         step_losses = _forward_backward(built, batches, loss, forward_only=False)
-        if step == 0:
-            first["gradients"] = sketches(_named(built, "main_grad"))
-            before = {name: p.detach().to("cpu", copy=True) for name, p in _named(built)}
+        if step == 0 and built.dtype != "bf16":  # bf16 weights round away an update of lr's size: fp32, fp64 only
+            before = {name: p.detach().to("cpu", torch.float64, copy=True) for name, p in _named(built)}
+            grads = {name: g.detach().to("cpu", torch.float64, copy=True) for name, g in _named(built, "main_grad")
+                     if g is not None}  # fmt: skip
         grad_norm = _clip(built.module, CLIP_GRAD) if built.clip_here else None
         ok, megatron_norm, _ = built.optimizer.step()
-        if step == 0:
-            first["updates"] = sketches((name, p.detach().cpu() - before[name]) for name, p in _named(built))
+        if step == 0 and built.dtype != "bf16":
+            after = {name: p.detach().to("cpu", torch.float64, copy=True) for name, p in _named(built)}
+            first["update"] = update_check(before, grads, after, OPTIMIZER, CLIP_GRAD)
         grad_norm = megatron_norm if grad_norm is None else grad_norm
         if not ok:
             raise RuntimeError(f"parity run: the optimizer skipped step {step} (a non-finite gradient)")
@@ -417,6 +425,45 @@ def train(built: Built, model: ParityModel, device: Device, steps: int) -> dict[
         grad_norms.append(float(grad_norm))
     manager.close() if hasattr(manager, "close") else None
     return {"losses": losses, "grad_norms": grad_norms, **first}
+
+
+def _offload_cycle(manager: Any) -> None:
+    manager.offload(["params", "grads", "optimizer"])
+    manager.onload(["params", "grads", "optimizer"])
+
+
+def gradient_probe(built: Built, model: ParityModel, device: Device, recorder: Any, source: Any) -> dict[str, Any]:
+    """The policy-gradient loss's gradient on the evaluation batch, per parameter group (sketches), with every block
+    fed the source's input (straight through: the gradient still flows from each block to the one before). Each
+    block's gradient is then its own computation at the source's activations, with the source's top-k and expert
+    choices: no rounding difference upstream flips a selection, which makes a whole step's gradient differ by
+    percents between two correct platforms. Without a source, at the run's own activations. Not applied."""
+    import torch
+
+    from verl_npu.parity.gradients import sketches
+
+    tokens = torch.from_numpy(evaluation_tokens(model)).to(device.torch_device)
+    weights = torch.from_numpy(advantages(model, 0)).to(device.torch_device)[:, 1:]
+    batches, weight_batches = _micro_batches(tokens, model.micro_batches), _micro_batches(weights, model.micro_batches)
+    for chunk in built.module:
+        chunk.zero_grad_buffer()
+    built.optimizer.zero_grad()
+    for index, micro in enumerate(batches):
+
+        def loss(logits, micro_tokens, _index, w=weight_batches[index]):
+            logp = token_log_probs(logits, micro_tokens)
+            value = -(logp * w.to(logp.dtype)).mean()
+            return value, value.detach()
+
+        scope = recorder.replaying(index, source.tensors, straight_through=True) if source is not None \
+            else contextlib.nullcontext()  # fmt: skip
+        with scope:
+            _forward_backward(built, [micro], loss, forward_only=False)
+    out = sketches(_named(built, "main_grad"))
+    for chunk in built.module:
+        chunk.zero_grad_buffer()
+    built.optimizer.zero_grad()
+    return out
 
 
 def _named(built: Built, attribute: str | None = None) -> list[tuple[str, Any]]:
@@ -460,7 +507,8 @@ def run_model(
     probes = Probes(built.gpt)
     recorder = Recorder(built.gpt) if model.replay else None
     evaluation = evaluate(built, model, device, probes, recorder, source if model.replay else None)
-    training = train(built, model, device, steps)
+    gradients = gradient_probe(built, model, device, recorder, source) if model.replay else None
+    training = train(built, model, device, steps) | ({"gradients": gradients} if gradients is not None else {})
     after = evaluate(built, model, device)
     return {
         "eval": evaluation,

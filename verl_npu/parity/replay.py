@@ -111,6 +111,7 @@ class Recorder:
         self.replayed: dict[str, dict[str, Any]] = {}
         self._prefix: str | None = None
         self._source: Mapping[str, torch.Tensor] | None = None
+        self._straight_through = False  # a gradient probe: fed values, the gradient flows on to the block before
         self._handles: list[Any] = []
         layers = list(gpt.decoder.layers)
         for index, layer in enumerate(layers):
@@ -142,7 +143,10 @@ class Recorder:
                 f"the replay source's {point} has shape {tuple(given.shape)}, this run's "
                 f"{tuple(natural.shape)}: another model or batch"
             )
-        return given.to(device=natural.device, dtype=natural.dtype)
+        fed = given.to(device=natural.device, dtype=natural.dtype)
+        if self._straight_through and natural.requires_grad:
+            return natural + (fed - natural).detach()
+        return fed
 
     def _layer_input(self, index: int):
         def hook(_module, args, kwargs):
@@ -153,7 +157,7 @@ class Recorder:
 
     def _layer_output(self, index: int):
         def hook(_module, _args, output):
-            if self._prefix is not None and self._source is not None:
+            if self._prefix is not None and self._source is not None and not self._straight_through:
                 hidden = output[0] if isinstance(output, (tuple, list)) else output
                 self._contribution(f"layers.{index}.mlp", hidden, f"layers.{index}.residual")
 
@@ -163,7 +167,7 @@ class Recorder:
         forward_mlp = layer._forward_mlp
 
         def _forward_mlp(hidden_states, *args, **kwargs):
-            if self._prefix is not None and self._source is not None:
+            if self._prefix is not None and self._source is not None and not self._straight_through:
                 self._contribution(f"layers.{index}.self_attention", hidden_states, f"layers.{index}.input")
             fed = self._feed(f"layers.{index}.residual", hidden_states)
             return forward_mlp(hidden_states if fed is None else fed, *args, **kwargs)
@@ -190,12 +194,14 @@ class Recorder:
             self._prefix = None
 
     @contextlib.contextmanager
-    def replaying(self, micro_batch: int, source: Mapping[str, torch.Tensor]) -> Iterator[None]:
-        self._prefix, self._source = f"mb{micro_batch}", source
+    def replaying(
+        self, micro_batch: int, source: Mapping[str, torch.Tensor], straight_through: bool = False
+    ) -> Iterator[None]:
+        self._prefix, self._source, self._straight_through = f"mb{micro_batch}", source, straight_through
         try:
             yield
         finally:
-            self._prefix, self._source = None, None
+            self._prefix, self._source, self._straight_through = None, None, False
 
 
 def contributions(natural: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:

@@ -923,7 +923,11 @@ def replay_spread(run: Mapping[str, Any], source: Mapping[str, Any], model: str)
         topk_overlap={layer: overlap(topk[layer], sets) for layer, sets in source_topk.items() if layer in topk},
         missing_topk=sorted(set(source_topk) - set(topk), key=depth),
         extra_topk=sorted(set(topk) - set(source_topk), key=depth),
-        gradients=_sketch_spread(f"{where}.train.gradients", run, source, model, "gradients"),
+        gradients=_relative_sketches(  # both at the source's activations: the source's own probe is its natural one
+            f"{where}.train.gradients",
+            _train_sketches(run, model, "gradients"),
+            _train_sketches(source, model, "gradients_natural"),
+        ),
         updates=update_residuals(run, model),
     )
 
@@ -955,10 +959,6 @@ def _train_sketches(run: Mapping[str, Any], model: str, key: str) -> dict[str, l
     where = f"{run.get('_path', 'run')}: models.{model}.train.{key}"
     m = _mapping(f"{run.get('_path', 'run')}: models", run.get("models")).get(model)
     return _sketches(_mapping(where, _mapping("train", _mapping("model", m).get("train")).get(key)), where)
-
-
-def _sketch_spread(where: str, run, source, model: str, key: str) -> dict[str, float]:
-    return _relative_sketches(where, _train_sketches(run, model, key), _train_sketches(source, model, key))
 
 
 def _relative_sketches(where: str, ours: Mapping[str, list[float]], theirs: Mapping[str, list[float]]):

@@ -507,8 +507,15 @@ def run_model(
     probes = Probes(built.gpt)
     recorder = Recorder(built.gpt) if model.replay else None
     evaluation = evaluate(built, model, device, probes, recorder, source if model.replay else None)
-    gradients = gradient_probe(built, model, device, recorder, source) if model.replay else None
-    training = train(built, model, device, steps) | ({"gradients": gradients} if gradients is not None else {})
+    probes_of_gradients = {}
+    if model.replay:  # at the run's own activations (what a run replayed from this one compares with) and the source's
+        probes_of_gradients["gradients_natural"] = gradient_probe(built, model, device, recorder, None)
+        probes_of_gradients["gradients"] = (
+            gradient_probe(built, model, device, recorder, source)
+            if source is not None
+            else probes_of_gradients["gradients_natural"]
+        )
+    training = train(built, model, device, steps) | probes_of_gradients
     after = evaluate(built, model, device)
     return {
         "eval": evaluation,

@@ -161,6 +161,26 @@ CONTRACTS = (
         ),
     ),
     Contract(
+        id="vllm-mla-latent-norms-use-rms-norm-eps",
+        component="vllm",
+        path=_DEEPSEEK_V2,
+        locator="python",
+        symbol="DeepseekV2MLAAttention.__init__",
+        line=887,
+        sha256="e37cd7a6141fc2eb7a7dac6e828864ad7c24a9a5272adb794c920551d35f4310",
+        relied_on="the rollout's MLA latent norms (q_a_layernorm, kv_a_layernorm) are RMSNorms with the config's "
+        "rms_norm_eps (1e-5 for GLM-5.2), which the engine's q_layernorm / kv_layernorm follow; transformers' "
+        "GlmMoeDsa builds them with 1e-6 instead",
+        used_by="verl_npu/engine/bridges/glm5.py (layernorm_epsilon), verl_npu/parity/independent.py (the latent "
+        "norms' eps), tests_npu/test_parity_independent.py, docs/parity.md",
+        expects=(
+            Expect("self.q_a_layernorm = RMSNorm(self.q_lora_rank, eps=config.rms_norm_eps)", "q latent: rms_norm_eps"),
+            Expect(
+                "self.kv_a_layernorm = RMSNorm(self.kv_lora_rank, eps=config.rms_norm_eps)", "kv latent: rms_norm_eps"
+            ),
+        ),
+    ),
+    Contract(
         id="vllm-deepseek-v2-moe-layers",
         component="vllm",
         path=_DEEPSEEK_V2,

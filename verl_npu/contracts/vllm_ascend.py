@@ -161,6 +161,32 @@ CONTRACTS = (
         ),
     ),
     Contract(
+        id="vllm-ascend-mla-latent-norms-use-rms-norm-eps",
+        component="vllm-ascend",
+        path=_GLM5_LAYERS_PATCH,
+        locator="python",
+        symbol="_deepseek_v2_mla_attention_init",
+        line=48,
+        sha256="4d5bf17e1136b929b6d57fc5975ef6bf829c5e27269eb8eee5c3b5e2ec552f00",
+        relied_on="vllm-ascend's replacement of DeepseekV2MLAAttention.__init__ keeps vLLM's latent norms: "
+        "q_a_layernorm and kv_a_layernorm are RMSNorms with the config's rms_norm_eps (1e-5 for GLM-5.2), which the "
+        "engine's q_layernorm / kv_layernorm follow",
+        used_by="verl_npu/engine/bridges/glm5.py (layernorm_epsilon), verl_npu/parity/independent.py (the latent "
+        "norms' eps), tests_npu/test_parity_independent.py, docs/parity.md",
+        expects=(
+            Expect(
+                "self.q_a_layernorm=RMSNorm(self.q_lora_rank,eps=config.rms_norm_eps,)",
+                "q latent: rms_norm_eps",
+                ignore_whitespace=True,
+            ),
+            Expect(
+                "self.kv_a_layernorm=RMSNorm(self.kv_lora_rank,eps=config.rms_norm_eps,)",
+                "kv latent: rms_norm_eps",
+                ignore_whitespace=True,
+            ),
+        ),
+    ),
+    Contract(
         id="vllm-ascend-glm5-layers-patch-applied",
         component="vllm-ascend",
         path="vllm_ascend/patch/worker/__init__.py",

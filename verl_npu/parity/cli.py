@@ -104,6 +104,23 @@ def cmd_reference(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_independent(args: argparse.Namespace) -> int:
+    import tempfile
+
+    from verl_npu.parity import compare as cmp
+    from verl_npu.parity import independent
+    from verl_npu.parity.job import RUN_KIND
+
+    run = cmp.load(args.run, RUN_KIND)
+    with tempfile.TemporaryDirectory(prefix="verl-npu-independent-") as workdir:
+        verdict = independent.check_run(run, workdir)
+    for model, found in verdict.items():
+        print(f"{model}: " + ("agrees with transformers in float64" if not found else "; ".join(found)))
+    failed = any(verdict.values())
+    print(f"verl-npu parity independent: {'FAIL' if failed else 'OK'}", file=sys.stderr)
+    return 1 if failed else 0
+
+
 def register(sub: argparse._SubParsersAction) -> None:
     from verl_npu.parity.job import DEFAULT_STEPS, DTYPES, MAX_STEPS, PATHS
 
@@ -129,6 +146,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--json", metavar="FILE")
     p.add_argument("--plot", metavar="FILE", help="per-layer differences (png, svg, pdf)")
     p.set_defaults(func=cmd_compare)
+    p = parity_sub.add_parser("independent", help="an fp64 run against transformers' own models in float64 "
+                              "(docs/parity.md); exit 1 on a disagreement")  # fmt: skip
+    p.add_argument("run", help="a `parity run --dtype fp64` JSON")
+    p.set_defaults(func=cmd_independent)
     p = parity_sub.add_parser("reference", help="derive the tolerances from reference-device runs; write the file")
     for dtype in ("bf16", "fp32", "fp64"):
         p.add_argument(f"--{dtype}", required=True, metavar="RUN")

@@ -115,6 +115,7 @@ def start_device() -> Device:
         os.environ.setdefault("VERL_NPU_ALLOW_MISMATCH", "1")
     import torch
 
+    _full_fp32(kind)
     # warn_only: an op without a deterministic kernel (megatron's, torch's) runs and is recorded, never silently;
     # verl-npu's own ops are deterministic there or refuse by name (issue 18), and run-to-run spread is measured
     torch.use_deterministic_algorithms(True, warn_only=True)
@@ -132,6 +133,20 @@ def start_device() -> Device:
     init_single_process("nccl" if kind == "cuda" else "hccl", device_index=0)
     name = torch.cuda.get_device_name(0) if kind == "cuda" else torch.npu.get_device_name(0)
     return Device(kind, name)
+
+
+def _full_fp32(kind: str) -> None:
+    """fp32 computed in fp32: Ascend's HF32 and CUDA's TF32 (a 10-bit mantissa inside fp32 matmuls and convolutions)
+    off, so an fp32 run is comparable across platforms (docs/parity.md). torch_npu defaults matmul HF32 off and
+    convolution HF32 on; torch defaults matmul TF32 off and cuDNN's on: all four are set, whatever the defaults."""
+    import torch
+
+    if kind == "ascend":
+        torch.npu.matmul.allow_hf32 = False
+        torch.npu.conv.allow_hf32 = False
+    elif kind == "cuda":
+        torch.backends.cuda.matmul.allow_tf32 = False
+        torch.backends.cudnn.allow_tf32 = False
 
 
 def _cpu_name() -> str:

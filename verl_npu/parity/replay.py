@@ -34,12 +34,14 @@ from typing import Any
 
 import torch
 
+from verl_npu.errors import UserError
+
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float64": torch.float64}
 MAX_ELEMENTS = 1 << 24  # one stored tensor: far above any parity model's, far below what a hostile file could ask
 
 
-class ReplayError(ValueError):
-    """A stored tensor or replay source that cannot be used (malformed, another model's, incomplete)."""
+class ReplayError(UserError):
+    """A stored tensor or replay source that cannot be used (malformed, another model's, incomplete): exit 2."""
 
 
 def encode(t: torch.Tensor) -> dict[str, Any]:

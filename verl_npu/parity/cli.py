@@ -3,7 +3,8 @@
     verl-npu parity run --dtype bf16 --out run.json [--model glm5_2 --model dense] [--path portable] [--steps 1]
                         [--replay-from FILE]
     verl-npu parity compare run.json [--reference ci/baselines/parity/reference.json] [--against other.json]
-                                     [--exact] [--json report.json] [--plot layers.png]
+                                     [--exact] [--precise fp32-run.json] [--json report.json] [--plot layers.png]
+    verl-npu parity independent fp64-run.json
     verl-npu parity reference --bf16 a.json --fp32 b.json --fp64 c.json --bf16-repeat d.json
                               --fp32-repeat e.json --out ci/baselines/parity/reference.json
 
@@ -141,8 +142,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--against", metavar="RUN", help="compare with this run instead of the reference's")
     p.add_argument("--exact", action="store_true", help="with --against: any difference fails (one build, one node)")
     p.add_argument("--model", action="append", help="judge only this model (repeatable; default: every model)")
-    p.add_argument("--precise", metavar="RUN", help="the same job in the next wider dtype on the run's platform "
-                   "(bf16: fp32, fp32: fp64): the run's own error is measured instead of assumed")  # fmt: skip
+    p.add_argument("--precise", metavar="RUN", help="a bf16 run's fp32 run on the same node, which it was replayed "
+                   "from (--replay-from): judged against it with the reference's measured bf16 error")  # fmt: skip
     p.add_argument("--json", metavar="FILE")
     p.add_argument("--plot", metavar="FILE", help="per-layer differences (png, svg, pdf)")
     p.set_defaults(func=cmd_compare)

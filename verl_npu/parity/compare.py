@@ -1,35 +1,28 @@
 """``verl-npu parity compare`` and ``parity reference``: a run against the CUDA reference, or two runs against
-each other, with tolerances from errors measured on the reference device.
+each other, with tolerances from errors measured on the reference device (docs/parity.md).
 
-What is compared, per model: per-token log-probs of the evaluation batch (mean and max of the absolute
-differences) and after training; each training step's loss and gradient norm; each DSA layer's top-k (the
-overlap of the selected key sets, per stored query row); and the activation checksums (verl_npu.parity.probes).
-The first checksum point out of tolerance, by depth in the forward pass, localises the fault. Anything missing,
-malformed, empty or not finite fails: a comparison never passes on what it could not compare. One exception is
-said as a warning: an Ascend run whose indexer ran inside MindSpeed's fused kernel has no indexer q/k checksums.
-Nor is one of two values chosen: a key given twice in one JSON object is refused (``json.loads`` keeps the last), and
-a run's ``steps`` must be a JSON integer from 1 that each model's losses and gradient norms match.
+The judgement, layer by layer (verl_npu/parity/replay.py, verl_npu/parity/gradients.py). A run made with
+``--replay-from SOURCE`` fed every block SOURCE's input; per model it is judged against SOURCE on what each block
+added (relative L2), the log-probs from SOURCE's last hidden state, every DSA layer's top-k, the gradient probe per
+parameter group (at SOURCE's activations) and step 0's update against AdamW's from its own gradients. Each tolerance
+is TRIANGLE x the reference device's error of the same block or group, measured the same way one precision wider
+(|X - R| <= |X - T| + |R - T|, X assumed no less accurate than R), at least the dtype's unit roundoff. Two
+judgements: ``reference`` mode with SOURCE the reference's run of the run's dtype (the nightly's fp32 runs), and
+``--precise FP32RUN`` with SOURCE the bf16 run's own node's fp32 run (the bf16 error measured against fp32 on the
+reference device). The first block out of tolerance, by depth, names the fault.
 
-The tolerances (:func:`errors`, :func:`tolerances`; ``verl-npu parity reference`` records them). A legitimate
-implementation X (another platform, another kernel) and the reference R both approximate the exact result T, so
-|X - R| <= |X - T| + |R - T|. R's error |R - T| is measured on the reference device against the same job one
-precision wider (bf16 against fp32, fp32 against fp64), and against a second run of the same job; the larger
-counts. For an activation checksum the error is relative to the tensor's RMS and is the largest measured at its
-depth or shallower (rounding errors grow with depth; one point's measured error is one sample of it).
+The summary, end to end: per-token log-probs of the whole forward (mean and max of the absolute differences) and
+after training, each training step's loss and gradient norm, each DSA layer's top-k overlap, and the activation
+checksums (verl_npu/parity/probes.py), with tolerances of 2 x the reference's measured error (for a checksum, relative
+to the tensor's RMS and the largest measured at its depth or shallower). Where a layer-by-layer judgement exists they
+are warnings: errors carried through every layer before them make them weak (bf16) or chaotic (training). A model
+whose block tensors are not recorded (``glm5_2_fused_shape``) and the ``pair`` mode (two runs of one node) are judged
+end to end; ``exact`` (two runs of one build on one machine) fails on any difference.
 
-- Default: X assumed no less accurate than R, so tolerance = 2 x R's error. It sees any fault, also one that
-  exists only in X's dtype, but a platform less accurate than the reference fails it too.
-- ``--precise`` (X's own wider run, on X's platform): tolerance = R's error + X's error (against its wider run)
-  + the distance between the two wider runs, each measured. A less accurate platform passes; and the two wider
-  runs must agree within R's error (they are far more precise than the run's dtype: a fault that every dtype has,
-  a wrong eps or a wrong top-k, shows there and is named). A fault that only X's own dtype has is, by this
-  measurement, X's error: the default mode is the one that sees it.
-- Every tolerance is at least the rounding of the result itself (the unit roundoff of the dtype x its magnitude),
-  which two implementations do independently. A top-k's minimum overlap is 1 - (R's + X's key disagreement).
-
-Modes: ``reference`` (a run against the reference's run of its dtype), ``pair`` (two runs against each other with
-the same tolerances; on Ascend the fused and the portable run, so a failure points at an operator) and ``exact``
-(two runs of one build on one machine: any difference fails, deterministic mode makes them bitwise equal).
+Anything missing, malformed, empty or not finite fails: a comparison never passes on what it could not compare. One
+exception is said as a warning: an Ascend run whose indexer ran inside MindSpeed's fused kernel has no indexer q/k
+checksums. Nor is one of two values chosen: a key given twice in one JSON object is refused (``json.loads`` keeps the
+last), and a run's ``steps`` must be a JSON integer from 1 that each model's losses and gradient norms match.
 """
 
 from __future__ import annotations
@@ -443,15 +436,15 @@ def derive(primary: Mapping[str, Any], precise: Mapping[str, Any], repeat: Mappi
 
 
 DERIVATION = (
-    "default: tolerance = max(2 x the reference's measured error, the unit roundoff of the dtype x the value's "
-    "magnitude); with --precise: the reference's error + the run's own error (against its wider run on its "
-    "platform) + the distance between the two wider runs, which must itself be within the reference's error. "
-    "The reference's error of a bf16 value: against the same job in fp32 and a second bf16 run; of an fp32 "
-    "value: against fp64 and a second fp32 run; all on the reference device. For an activation checksum the "
-    "error is relative to the tensor's RMS and the largest at its layer or any layer before it (rounding errors "
-    "grow with depth; one point's measured error is one sample). A top-k's minimum overlap = 1 - the summed key "
-    "disagreements. Why a sum: |X - R| <= |X - T| + |R - T| (T: the exact value); why 2 by default: X assumed "
-    "no less accurate than the reference."
+    "layer by layer (the judgement): each block, fed the source's input, within 2 x the reference device's error of "
+    "that block measured one precision wider (fp32 fed fp64's inputs, bf16 fed fp32's), in relative L2; likewise the "
+    "log-probs from the source's last hidden state, each DSA layer's top-k (minimum overlap 1 - 2 x the measured key "
+    "disagreement), each parameter group's gradient probe (at the source's activations) and step 0's update against "
+    "AdamW's from the run's own gradients; every tolerance at least the dtype's unit roundoff. End to end (a "
+    "summary): max(2 x the reference's measured error against the wider run and a second run, the unit roundoff x "
+    "the value's magnitude); a checksum's error relative to the tensor's RMS and the largest at its layer or any "
+    "layer before it. Why a sum: |X - R| <= |X - T| + |R - T| (T: the exact value); why 2: X assumed no less accurate "
+    "than the reference."
 )
 
 
@@ -559,7 +552,8 @@ def compare(
 ) -> Comparison:
     """Judge ``run`` against ``against`` (the reference's run of the same dtype, or another run) with tolerances from
     ``ref``'s measured errors (module docstring); ``exact``: every value must be equal. ``models``: the models to
-    judge (default: every model of ``against``; one the run lacks fails). ``precise``: the run's own wider run."""
+    judge (default: every model of ``against``; one the run lacks fails). ``precise``: a bf16 run's node's fp32 run,
+    which the run was replayed from and is judged against layer by layer."""
     if mode not in MODES:
         raise ParityCompareError(f"mode {mode!r}: choose one of {', '.join(MODES)}")
     dtype = run_dtype(run)

@@ -2,7 +2,7 @@
 
 transformers 5.10.4's GlmMoeDsa implements GLM-5.2's shared DSA layers but still builds (and
 ``save_pretrained`` writes) an indexer on every layer, and it has no MTP layer. GLM-5.2's published
-checkpoint differs (shared/reference.md, section 5): shared layers ship no ``self_attn.indexer.*``
+checkpoint differs (docs/upstream_facts.md): shared layers ship no ``self_attn.indexer.*``
 tensors, the MTP layer is checkpoint layer ``num_hidden_layers``, the shards come with
 ``model.safetensors.index.json``, and the FP8 release stores linear weights as e4m3 with one float32
 scale per 128x128 block (``<weight>_scale_inv``, DeepSeek-V3's format, with its ``quantization_config``).

@@ -4,7 +4,7 @@ realistic porting fault (issue 30).
 Test-only: each injection is a bug, patched into this process's verl-npu engine before the job builds its model (or
 into the model it built), so that tests_npu/test_parity.py and tests_npu/test_parity_faults.py can show the
 comparison catches it and names the module. The first five stand in for the mismatches upstream found between
-Ascend's and the reference's numerics (shared/reference.md, section 5):
+Ascend's and the reference's numerics (docs/upstream_facts.md):
 
 - ``k_norm_eps``: the indexer's key norm with megatron-core's eps (the model's layernorm_epsilon, 1e-5) instead of
   the reference's 1e-6;

@@ -4,7 +4,7 @@ megatron-core 0.18 computes a DSA top-k in every layer. GLM-5.2 marks each layer
 "shared" (``indexer_types``, IndexShare, arXiv 2603.12201): a shared layer ships no indexer weights
 and attends over the keys the most recent full layer selected for the same tokens. A shared layer
 that picks its own top-k degrades the model (perplexity 3.21 against 2.72 at 4k tokens, see
-shared/reference.md), so the reuse must be exact.
+docs/upstream_facts.md), so the reuse must be exact.
 
 How the engine does it:
 

@@ -69,7 +69,7 @@ IMAGE_SOURCE = PurePosixPath("/opt/verl-npu/src/verl-npu")
 IMAGE_ENTRYPOINT = IMAGE_SOURCE / "docker" / "entrypoint.sh"
 CONFIG_DIR = PurePosixPath("/etc/verl-npu")
 # NPUs of one node: Atlas 800T A2 servers have 8 (910B), Atlas A3 nodes 16 dies (910C); the
-# upstream runners are linux-aarch64-a2b3-8 and linux-aarch64-a3-16 (shared/reference.md section 6).
+# upstream runners are linux-aarch64-a2b3-8 and linux-aarch64-a3-16 (docs/upstream_facts.md).
 NPUS_PER_NODE_MAX = {"a2": 8, "a3": 16}
 # Per-node values: the interface name (or IP) differs between nodes, and ray_start.sh sets them on
 # each node. An env file that sets them forces one value on the whole cluster.

@@ -87,7 +87,7 @@ def _config(family: str, sizes: tuple[tuple[str, Any], ...]) -> dict[str, Any]:
 
 
 def _glm5_2_layers(layers: int) -> dict[str, Any]:
-    """GLM-5.2's per-layer rules applied to ``layers`` layers (shared/reference.md, section 5)."""
+    """GLM-5.2's per-layer rules applied to ``layers`` layers (docs/upstream_facts.md)."""
     full = ["full" if i < 3 or (i - 2) % 4 == 0 else "shared" for i in range(layers)]
     dense = 3  # first_k_dense_replace, as published
     return dict(

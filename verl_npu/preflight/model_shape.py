@@ -39,7 +39,7 @@ MAX_POSITIONS = 1 << 40  # max_position_embeddings: a declared limit, not a sequ
 KNOWN_TYPES = ("llama", "qwen2", "qwen3", "qwen3_moe", "deepseek_v3", "glm_moe_dsa")
 GLM5_NAMES, GLM5_2_NAMES = ("glm5", "glm-5"), ("glm5.2", "glm-5.2")
 # GLM-5.2's published config.json (model_type glm_moe_dsa) against transformers' GlmMoeDsaConfig defaults, which
-# are GLM-5's (shared/reference.md section 5); examples/glm5_2/config.json is that config.
+# are GLM-5's (docs/upstream_facts.md); examples/glm5_2/config.json is that config.
 GLM5_2_DIFFERENCES: dict[str, Any] = dict(
     indexer_types=["full" if i < 3 or (i - 2) % 4 == 0 else "shared" for i in range(78)],  # 21 full, 57 shared
     index_topk_freq=4,

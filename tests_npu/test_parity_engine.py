@@ -10,9 +10,6 @@ against the job's log_softmax), so the bound is the reference's measured fp32 lo
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -32,13 +29,9 @@ MODEL = MODELS["glm5_2"]
 
 
 @pytest.fixture(scope="module")
-def parity_bf16(tmp_path_factory):
-    out = tmp_path_factory.mktemp("parity_engine") / "bf16.json"
-    argv = [sys.executable, "-m", "verl_npu.cli", "parity", "run", "--dtype", "bf16", "--model", MODEL.name]
-    env = {**os.environ, "VERL_NPU_PLATFORM": "cpu", "PYTHONWARNINGS": "ignore"}
-    done = subprocess.run([*argv, "--out", str(out)], capture_output=True, text=True, env=env, timeout=900, check=False)
-    assert done.returncode == 0, done.stderr[-3000:]
-    return json.loads(out.read_text())
+def parity_bf16(parity_runs):
+    """The parity job's bf16 run of the model (the session's, tests_npu/support/parity_runs.py)."""
+    return parity_runs.get("bf16", models=(MODEL.name,))
 
 
 @pytest.fixture(scope="module")

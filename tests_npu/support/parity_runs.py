@@ -41,7 +41,8 @@ class ParityRuns:
         self._runs: dict[tuple[Any, ...], dict] = {}
 
     def path(self, dtype: str, inject: str = "none", models=CPU_MODELS, extra: tuple[str, ...] = ()) -> Path:
-        suffix = "-".join([inject, dtype, *models, *(e.lstrip("-") for e in extra)])
+        # an argument may be a path (--replay-from): its slashes would make the name a path into folders that are not
+        suffix = "-".join([inject, dtype, *models, *(e.lstrip("-").replace("/", "_") for e in extra)])
         return self.directory / f"{suffix}.json"
 
     def get(self, dtype: str, inject: str = "none", models=CPU_MODELS, extra: tuple[str, ...] = ()) -> dict:

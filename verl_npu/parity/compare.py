@@ -493,7 +493,7 @@ def _strip(run: Mapping[str, Any]) -> dict[str, Any]:
     models = {}
     for name, values in run["models"].items():
         evaluation = dict(values["eval"])
-        if "replay" in evaluation:
+        if evaluation.get("replay") is not None:
             evaluation["replay"] = {"natural": evaluation["replay"]["natural"], "replayed": None}
         models[name] = {**values, "eval": evaluation}
     return {**out, "models": models}

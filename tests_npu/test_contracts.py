@@ -788,20 +788,11 @@ R3_DRIFTS = (
 @pytest.fixture(scope="module")
 def r3_pinned_sources(tmp_path_factory) -> dict[str, Path]:
     """The files of the R3 contracts from the pinned vLLM and vllm-ascend sdists."""
-    from support.pypi import RELEASE_OF_COMMIT, extract, sdist
+    from support.pypi import contract_sources
 
     from verl_npu.preflight.router_replay import CONTRACTS
-    from verl_npu.stack import load_stack
 
-    stack = load_stack()
-    archives = {
-        "vllm": sdist("vllm", stack.git["vllm"].version),
-        "vllm-ascend": sdist("vllm-ascend", RELEASE_OF_COMMIT[stack.git["vllm-ascend"].commit]),
-    }
-    roots = {component: tmp_path_factory.mktemp(component) for component in archives}
-    for contract in map(contracts.by_id, CONTRACTS):
-        extract(archives[contract.component], contract.path, roots[contract.component])
-    return roots
+    return contract_sources(CONTRACTS, tmp_path_factory.mktemp)
 
 
 def test_every_r3_contract_has_a_drift_case():

@@ -43,19 +43,9 @@ def test_both_rollout_components_pin_the_latent_norms_eps():
 @pytest.fixture(scope="module")
 def pinned_sources(tmp_path_factory) -> dict[str, Path]:
     """The files these contracts read, from the vLLM and vllm-ascend sdists the stack pins."""
-    from support.pypi import RELEASE_OF_COMMIT, extract, sdist
+    from support.pypi import contract_sources
 
-    from verl_npu.stack import load_stack
-
-    stack = load_stack()
-    archives = {
-        "vllm": sdist("vllm", stack.git["vllm"].version),
-        "vllm-ascend": sdist("vllm-ascend", RELEASE_OF_COMMIT[stack.git["vllm-ascend"].commit]),
-    }
-    roots = {component: tmp_path_factory.mktemp(component) for component in archives}
-    for contract in map(contracts.by_id, CONTRACT_IDS):
-        extract(archives[contract.component], contract.path, roots[contract.component])
-    return roots
+    return contract_sources(CONTRACT_IDS, tmp_path_factory.mktemp)
 
 
 @pytest.mark.network

@@ -89,3 +89,20 @@ def extract(archive: Path, inner: str, dest: Path) -> None:
             target = dest / member.name.split("/", 1)[1]
             target.parent.mkdir(parents=True, exist_ok=True)
             target.write_bytes(tar.extractfile(member).read())
+
+
+def contract_sources(contract_ids, make_root: Callable[[str], Path]) -> dict[str, Path]:
+    """The files the given vLLM / vllm-ascend contracts read, extracted from the sdists the stack pins: component ->
+    the root holding them (``make_root(component)`` makes it, e.g. pytest's ``tmp_path_factory.mktemp``)."""
+    from verl_npu import contracts
+    from verl_npu.stack import load_stack
+
+    stack = load_stack()
+    archives = {
+        "vllm": sdist("vllm", stack.git["vllm"].version),
+        "vllm-ascend": sdist("vllm-ascend", RELEASE_OF_COMMIT[stack.git["vllm-ascend"].commit]),
+    }
+    roots = {component: make_root(component) for component in archives}
+    for contract in map(contracts.by_id, contract_ids):
+        extract(archives[contract.component], contract.path, roots[contract.component])
+    return roots

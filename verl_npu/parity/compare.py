@@ -348,15 +348,20 @@ def _depth_relative(ref: ModelValues, spreads: Sequence[Spread]) -> dict[str, di
     return {point: dict(cumulative[depth(point)[0]]) for point in ref.checksums}
 
 
+def _error_value(where: str, value: Any) -> float:
+    """A measured error from outside: finite and non-negative."""
+    x = _finite(where, value)
+    if x < 0:
+        raise ParityCompareError(f"{where}={x}: an error is never negative")
+    return x
+
+
 def _profile(where: str, value: Any) -> dict[str, Any]:
     """An error profile (one model's ``errors`` entry) from outside, every number finite and non-negative."""
     e = _mapping(where, value)
 
     def number(key: str, v: Any) -> float:
-        x = _finite(f"{where}.{key}", v)
-        if x < 0:
-            raise ParityCompareError(f"{where}.{key}={x}: an error is never negative")
-        return x
+        return _error_value(f"{where}.{key}", v)
 
     scalars = {
         k: number(k, e.get(k)) for k in ("logprob_mean", "logprob_max", "after_logprob_mean", "after_logprob_max")
@@ -985,10 +990,7 @@ def _replay_profile(where: str, value: Any) -> dict[str, Any]:
     e = _mapping(where, value)
 
     def number(key: str, v: Any) -> float:
-        x = _finite(f"{where}.{key}", v)
-        if x < 0:
-            raise ParityCompareError(f"{where}.{key}={x}: an error is never negative")
-        return x
+        return _error_value(f"{where}.{key}", v)
 
     return {
         "blocks": {p: {k: number(f"blocks.{p}.{k}", _mapping(f"{where}.blocks.{p}", v).get(k)) for k in BLOCK_METRICS}

@@ -7,11 +7,16 @@ verl_npu.megatron_adaptor, DDP with the distributed optimizer, full activation r
 runs it), then:
 
 1. evaluates a fixed batch (no grad, ``micro_batches`` micro-batches): per-token log-probs, activation checksums
-   (verl_npu.parity.probes) and every DSA layer's top-k;
-2. trains ``steps`` steps on fixed batches with a policy-gradient loss (fixed per-token advantages), recording each
-   step's loss and gradient norm, with the engine's offload manager moving params, grads and optimizer state to
-   the host and back between steps;
-3. evaluates the log-probs again.
+   (verl_npu.parity.probes), every DSA layer's top-k and the block-boundary tensors (verl_npu.parity.replay); with
+   ``replay_from``, evaluates it again with every block fed that file's tensors;
+2. back-propagates the policy-gradient loss on that batch (the gradient probe, verl_npu.parity.gradients), at its
+   own activations and, with ``replay_from``, at the file's: per parameter group, not applied;
+3. trains ``steps`` steps on fixed batches with that loss (fixed per-token advantages), recording each step's loss
+   and gradient norm and step 0's update against AdamW's on the host, with the engine's offload manager moving
+   params, grads and optimizer state to the host and back between steps;
+4. evaluates the log-probs again.
+
+fp32 is computed in fp32 (HF32 on Ascend, TF32 on CUDA off: docs/parity.md).
 
 Deterministic: ``torch.use_deterministic_algorithms(True)`` (verl's deterministic mode; every verl-npu op is
 bitwise repeatable there or refuses by name), so two runs on one machine agree bit for bit. It runs on the CUDA
@@ -522,15 +527,15 @@ def run_model(
     probes = Probes(built.gpt)
     recorder = Recorder(built.gpt) if model.replay else None
     evaluation = evaluate(built, model, device, probes, recorder, source if model.replay else None)
-    probes_of_gradients = {}
+    gradient_probes = {}
     if model.replay:  # at the run's own activations (what a run replayed from this one compares with) and the source's
-        probes_of_gradients["gradients_natural"] = gradient_probe(built, model, device, recorder, None)
-        probes_of_gradients["gradients"] = (
+        gradient_probes["gradients_natural"] = gradient_probe(built, model, device, recorder, None)
+        gradient_probes["gradients"] = (
             gradient_probe(built, model, device, recorder, source)
             if source is not None
-            else probes_of_gradients["gradients_natural"]
+            else gradient_probes["gradients_natural"]
         )
-    training = train(built, model, device, steps) | probes_of_gradients
+    training = train(built, model, device, steps) | gradient_probes
     after = evaluate(built, model, device)
     return {
         "eval": evaluation,

@@ -112,7 +112,7 @@ def assert_named_at_its_module(fault: str, judged: dict[str, cmp.Comparison]) ->
 def test_every_injected_fault_is_judged_here():
     assert set(FAULTS) == set(parity_injections.UPSTREAM) | set(parity_injections.PORTING)
     assert len(parity_injections.PORTING) >= 8 and set(DEFAULT_TIER) <= set(FAULTS)
-    assert set(BF16_ONLY) <= set(DEFAULT_TIER)
+    assert set(BF16_ONLY) & set(DEFAULT_TIER) and set(BF16_ONLY) <= set(FAULTS)
 
 
 def test_an_unknown_fault_is_refused_by_name():

@@ -8,7 +8,9 @@
 # reference's outputs with the reference's measured fp32 error (HF32 off, deterministic operators); the bf16 run feeds
 # every block this node's fp32 inputs and is judged against that fp32 run with the reference's measured bf16 error
 # (--precise; its end-to-end numbers against the CUDA bf16 run are a summary). A fault is named at the first block
-# out of tolerance. The two paths are also compared end to end with each other: a fault only the default run has is
+# out of tolerance. glm5_2_fused_shape records no block tensors: its bf16 run (on the default path, MindSpeed's fused
+# DSA operators, which compute in bf16 only) is judged end to end against the node's fp32 run, its indexer by every
+# query row's top-k (docs/parity.md). The two paths are also compared end to end with each other: a fault only the default run has is
 # an operator's.
 #   bash ci/nightly/parity.sh [OUT_DIR]
 # Exit codes: 0 every comparison passes; 1 one fails; 2 the node, a run or a comparison could not be made (the

@@ -89,6 +89,12 @@ class RunOptions:
         inputs.choice("--dtype", self.dtype, DTYPES)
         inputs.choice("--path", self.path, PATHS)
         inputs.integer("--steps", self.steps, minimum=1, maximum=MAX_STEPS)
+        if self.path == "fused" and self.dtype != "bf16":
+            raise ParityError(
+                f"--path fused --dtype {self.dtype}: MindSpeed's fused DSA kernels cast their inputs to bf16, so the "
+                "run would not be computed in its dtype; use --dtype bf16 (or --path default, which takes them in bf16 "
+                "runs only)"
+            )
 
 
 # --- the platform -------------------------------------------------------------------------------------------------
@@ -203,7 +209,10 @@ def engine_config(model: ParityModel, device: Device, path: str, dtype: str = "b
     }  # fmt: skip
     if path == "portable":
         otc["use_flash_attn"] = False  # MindSpeed's flash attention (npu_fusion_attention) off; dropped elsewhere
-    fused = path == "fused" or (path == "default" and device.platform == "ascend" and model.fused_dsa)
+    # MindSpeed's fused DSA kernels compute in bf16 whatever the run's dtype (docs/upstream_facts.md): a wider run
+    # takes the PyTorch DSA path, so that it is the computation its dtype names
+    fused = path == "fused" or (path == "default" and device.platform == "ascend" and model.fused_dsa
+                                and dtype == "bf16")  # fmt: skip
     if fused:
         if device.platform != "ascend":
             raise ParityError(

@@ -14,7 +14,11 @@ exist only where the indexer runs in PyTorch: inside MindSpeed's fused lightning
 materialised, and such a run records ``indexer_qk: false``.
 
 Top-k: every DSA layer's selection (verl_npu.engine.index_share records the top-k each layer's sparse attention
-runs with, full and shared), stored per query row as sorted key indices.
+runs with, full and shared), stored per query row as sorted key indices. Where the exact rows of a long sequence would
+outgrow the record (``TOPK_KEYS``), a sample of them is stored exactly and every query row is stored restricted to a
+fixed sample of the keys (``all_rows``: one key in ``rate``, the same keys on every platform, bits packed): the
+selection of every row is then compared, each within about 1/sqrt(k/rate) of its overlap and their sum far closer
+(docs/parity.md, "Top-k over every query row").
 """
 
 from __future__ import annotations
@@ -30,6 +34,8 @@ import torch
 # the query rows of a [b, s, k] top-k a run stores: at most this many, and at most TOPK_KEYS keys in all
 MAX_TOPK_ROWS = 256
 TOPK_KEYS = 16384
+# all_rows: the key sample keeps about this many of a row's k selected keys (one key in k // SAMPLED_KEYS)
+SAMPLED_KEYS = 64
 
 
 def _tensor(output: Any) -> torch.Tensor | None:
@@ -130,13 +136,14 @@ def topk_record(kind: str, indices: torch.Tensor) -> dict[str, Any]:
     """One layer's selection for one micro-batch: sorted key indices per stored query row (-1 padding dropped),
     packed as little-endian uint16 (int32 from 64k keys on) and base64."""
     b, s, k = indices.shape
-    # queries past the first k select among more keys than k: only there does the selection decide anything
-    rows = [(i, j) for i in range(b) for j in range(s) if j >= k] or [(i, j) for i in range(b) for j in range(s)]
+    every_row = judged_rows(b, s, k)
+    rows = every_row
     budget = max(1, min(MAX_TOPK_ROWS, TOPK_KEYS // max(k, 1)))
     if len(rows) > budget:
         step = len(rows) / budget
         rows = [rows[int(n * step)] for n in range(budget)]
     cpu = indices.detach().to("cpu", torch.int64)
+    sampled = None if len(rows) == len(every_row) else _all_rows(cpu, every_row, k)
     packed, lengths = [], []
     for i, j in rows:
         keys = sorted({int(x) for x in cpu[i, j].tolist() if 0 <= int(x) <= j})
@@ -144,7 +151,7 @@ def topk_record(kind: str, indices: torch.Tensor) -> dict[str, Any]:
         lengths.append(len(keys))
     width = "<u2" if max(packed, default=0) < 1 << 16 else "<i4"  # key indices of sequences up to 64k fit in 16 bits
     data = torch.tensor(packed, dtype=torch.int64).numpy().astype(width).tobytes()
-    return {
+    record = {
         "kind": kind,
         "k": k,
         "rows": rows,
@@ -152,6 +159,78 @@ def topk_record(kind: str, indices: torch.Tensor) -> dict[str, Any]:
         "width": width,
         "keys": base64.b64encode(data).decode(),
     }
+    if sampled is None:
+        record["every_row"] = True
+    else:
+        record["all_rows"] = sampled
+    return record
+
+
+def judged_rows(b: int, s: int, k: int) -> list[tuple[int, int]]:
+    """The (sequence, query) rows whose selection is compared: queries past the first k select among more keys than
+    k, and only there does the selection decide anything (every row where none does)."""
+    return [(i, j) for i in range(b) for j in range(s) if j >= k] or [(i, j) for i in range(b) for j in range(s)]
+
+
+def key_sample(rate: int, length: int) -> Any:
+    """The keys ``all_rows`` keeps: a fixed pseudo-random one in ``rate`` of key indices 0..length-1 (a bool array),
+    the same on every platform (the counter-based generator), spread over the sequence as a stride is not (a stride
+    would align with positional patterns)."""
+    import numpy as np
+
+    from verl_npu.parity.models import uniform
+
+    if rate == 1:
+        return np.ones(length, dtype=bool)
+    return uniform(f"probe/topk-key-sample/{rate}", length) < -1.0 + 2.0 / rate
+
+
+def _all_rows(cpu: torch.Tensor, rows: list[tuple[int, int]], k: int) -> dict[str, Any]:
+    """Every row's selection restricted to :func:`key_sample`: per row, one bit per sampled key <= the query."""
+    import numpy as np
+
+    b, s, _ = cpu.shape
+    rate = max(1, k // SAMPLED_KEYS)
+    sample = key_sample(rate, s)
+    selected = np.zeros((b, s, s + 1), dtype=bool)  # column s collects -1 padding and keys past the query
+    idx = cpu.numpy()
+    query = np.arange(s)[None, :, None]
+    idx = np.where((idx >= 0) & (idx <= query), idx, s)
+    np.put_along_axis(selected, idx, True, axis=2)
+    bits = [selected[i, j, : j + 1][sample[: j + 1]] for i, j in rows]
+    packed = np.packbits(np.concatenate(bits)) if bits else np.zeros(0, dtype=np.uint8)
+    return {"rate": rate, "shape": [b, s], "bits": base64.b64encode(packed.tobytes()).decode()}
+
+
+def all_rows_sets(record: dict[str, Any]) -> dict[tuple[int, int], frozenset[int]] | None:
+    """Every judged row's selection within the key sample, (sequence, query) -> selected sampled keys: from
+    ``all_rows``, or the exact rows where they are every row; None where the record has neither (an older run)."""
+    import numpy as np
+
+    k = int(record["k"])
+    sampled = record.get("all_rows")
+    if sampled is None:
+        return topk_sets(record) if record.get("every_row") is True else None
+    rate, shape = sampled.get("rate"), sampled.get("shape")
+    if not isinstance(rate, int) or isinstance(rate, bool) or rate < 1:
+        raise ValueError(f"all_rows.rate={rate!r}: expected an integer >= 1")
+    if not (isinstance(shape, list) and len(shape) == 2 and all(isinstance(n, int) and n > 0 for n in shape)):
+        raise ValueError(f"all_rows.shape={shape!r}: expected [sequences, queries]")
+    b, s = shape
+    sample = key_sample(rate, s)
+    rows = judged_rows(b, s, k)
+    counts = np.cumsum(sample)  # sampled keys <= query j: counts[j]
+    needed = int(sum(counts[j] for _, j in rows))
+    bits = np.unpackbits(np.frombuffer(base64.b64decode(sampled["bits"], validate=True), dtype=np.uint8))
+    if len(bits) != (needed + 7) // 8 * 8 or bits[needed:].any():
+        raise ValueError(f"all_rows.bits: {len(bits)} bits for rows of {needed} sampled keys")
+    keys = np.flatnonzero(sample)
+    out, start = {}, 0
+    for i, j in rows:
+        n = int(counts[j])
+        out[(i, j)] = frozenset(int(x) for x in keys[:n][bits[start : start + n].astype(bool)])
+        start += n
+    return out
 
 
 def topk_sets(record: dict[str, Any]) -> dict[tuple[int, int], frozenset[int]]:

@@ -6,7 +6,8 @@ The judgement, layer by layer (verl_npu/parity/replay.py, verl_npu/parity/gradie
 added (relative L2), the log-probs from SOURCE's last hidden state, every DSA layer's top-k, the gradient probe per
 parameter group (at SOURCE's activations) and step 0's update against AdamW's from its own gradients. Each tolerance
 is TRIANGLE x the reference device's error of the same block or group, measured the same way one precision wider
-(|X - R| <= |X - T| + |R - T|, X assumed no less accurate than R), at least the dtype's unit roundoff. Two
+(|X - R| <= |X - T| + |R - T|, X assumed no less accurate than R; fp32 gradient groups GRADIENT_REDUCTION_ORDER x
+more), at least the dtype's unit roundoff. Two
 judgements: ``reference`` mode with SOURCE the reference's run of the run's dtype (the nightly's fp32 runs), and
 ``--precise FP32RUN`` with SOURCE the bf16 run's own node's fp32 run (the bf16 error measured against fp32 on the
 reference device). The first block out of tolerance, by depth, names the fault.
@@ -48,6 +49,11 @@ from verl_npu.parity.probes import STATISTICS
 REFERENCE_KIND = "verl-npu parity reference"
 MAX_FILE_BYTES = 256 * MIB
 TRIANGLE = 2.0  # default mode: |X - R| <= |X - T| + |R - T| <= 2 |R - T| (module docstring)
+# An fp32 gradient probe sums over every token of the batch, in whatever order the platform's kernels reduce: there a
+# platform is not "no less accurate" than the reference. Measured: a clean CPU fp32 run's group errors reach 2.3x the
+# nvidia-h200's own error against fp64 (glm5_2 layers.6.mlp) while every block stays within 0.72 of its tolerance, so
+# fp32 and fp64 gradient groups allow this much more (docs/parity.md, "Gradients and the update, one step").
+GRADIENT_REDUCTION_ORDER = 3.0
 UNIT_ROUNDOFF = {"bf16": 2.0**-8, "fp32": 2.0**-24, "fp64": 2.0**-53}
 PRECISE = {"bf16": "fp32", "fp32": "fp64"}  # the precision each dtype's error is measured against
 MODES = ("reference", "pair", "exact")
@@ -515,8 +521,9 @@ DERIVATION = (
     "of that block measured one precision wider (fp32 fed fp64's inputs, bf16 fed fp32's), in relative L2; "
     "likewise the log-probs from the source's last hidden state, each DSA layer's top-k (minimum overlap 1 - 2 x "
     "the measured key disagreement, raised to 25% of the way from a random selection's overlap to 1), each "
-    "parameter group's gradient probe (at the source's activations) and step 0's update against AdamW's from the "
-    "run's own gradients; every tolerance at least the dtype's unit roundoff. End to end (a summary): max(2 x the "
+    "parameter group's gradient probe (at the source's activations; in fp32 and fp64 GRADIENT_REDUCTION_ORDER (3) x "
+    "more, for the platform's reduction order) and step 0's update against AdamW's from the run's own gradients; "
+    "every tolerance at least the dtype's unit roundoff. End to end (a summary): max(2 x the "
     "reference's measured error against the wider run and a second run, the unit roundoff x the value's "
     "magnitude); a checksum's error relative to the tensor's RMS and the largest at its layer or any layer before "
     "it. Why a sum: |X - R| <= |X - T| + |R - T| (T: the exact value); why 2: X assumed no less accurate than the "
@@ -1188,6 +1195,8 @@ def replay_checks(model: str, s: ReplaySpread, measured: Mapping[str, Any], dtyp
                 checks.append(Check(f"{model}.{label}.{key}.{group}", FAIL, "the reference measured no error here"))
                 continue
             what = "gradient probe" if key == "gradients" else "step 0's update against AdamW's from its gradients"
+            if key == "gradients" and dtype != "bf16":
+                limit *= GRADIENT_REDUCTION_ORDER
             checks.append(_judge(f"{model}.{label}.{key}.{group}", value, max(TRIANGLE * limit, u),
                                  f"{what}, relative |d sketch| of this group"))  # fmt: skip
     first = next((p for p in sorted(bad, key=depth)), None)

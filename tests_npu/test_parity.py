@@ -110,6 +110,25 @@ def test_each_block_tolerance_is_twice_the_references_measured_error(fp32, refer
             assert (first == point) is fails and any(c.status == "fail" for c in checks) is fails, (point, factor)
 
 
+def test_an_fp32_gradient_group_is_allowed_the_reduction_order_factor_and_a_bf16_one_is_not(fp32, reference):
+    """fp32: a group passes just inside TRIANGLE x GRADIENT_REDUCTION_ORDER x its measured error and fails just
+    outside; a bf16 group fails just outside the plain TRIANGLE x (its error is its own rounding)."""
+    spread = cmp.replay_spread(fp32, cmp.reference_run(reference, "fp32"), "glm5_2")
+    group = "layers.6.mlp"
+    for dtype, error, factor in (("fp32", None, cmp.GRADIENT_REDUCTION_ORDER), ("bf16", 0.01, 1.0)):
+        measured = cmp._replay_errors_of(reference, "fp32", "glm5_2")
+        if error is None:
+            error = measured["gradients"][group]
+        measured = {**measured, "gradients": {**measured["gradients"], group: error}}
+        limit = cmp.TRIANGLE * factor * error
+        assert cmp.TRIANGLE * error > cmp.UNIT_ROUNDOFF[dtype]  # the measured error sets it, not the roundoff floor
+        for scale, fails in ((0.99, False), (1.01, True)):
+            changed = dataclasses.replace(spread, gradients={**spread.gradients, group: scale * limit})
+            checks, _, _ = cmp.replay_checks("glm5_2", changed, measured, dtype, "replay")
+            status = {c.check: c.status for c in checks}[f"glm5_2.replay.gradients.{group}"]
+            assert (status == "fail") is fails, (dtype, scale)
+
+
 def test_precise_takes_the_bf16_runs_fp32_run_from_its_own_node(fp32, bf16, reference):
     with pytest.raises(cmp.ParityCompareError, match="takes a bf16 run's fp32 run only"):
         cmp.compare(fp32, cmp.reference_run(reference, "fp32"), reference, models=("glm5_2",), precise=fp32)

@@ -44,10 +44,9 @@ which both engines then load and export through, and megatron DSA patches), but 
 gives verl's class). Our process sets ``VERL_ENGINE_DEVICE=npu VERL_ENGINE_VENDOR=huawei`` and loads the layer
 (``VERL_NPU_ALLOW_MISMATCH=1``: the device's torch is not the pinned one; the mismatches are in the JSON).
 
-``--fp8`` (GLM-5 only: mbridge's Qwen2 bridge has no FP8 reader) refuses a save of the model: verl saves it through
-mbridge's ``save_hf_weight``, which groups the export by the loaded checkpoint's index, and an FP8 index lists
-``*_scale_inv`` tensors the bf16 export never yields, so no shard is written and the load fails. ``--save-contents
-none`` leaves out both checkpoint phases (what a 64 GiB disk allows for GLM-5 with its optimizer).
+``--fp8`` is GLM-5 only (mbridge's Qwen2 bridge has no FP8 reader); the model it saves is the dequantised bf16 one
+(verl_npu/engine/bridges/hf_save.py). ``--save-contents none`` leaves out both checkpoint phases (what a 64 GiB disk
+allows for GLM-5 with its optimizer).
 
 Correctness, in the same run: the exported tensors' names, shapes, dtypes and SHA-256 of their bytes, and the
 loaded model's old-log-probs, from both engines (the JSON's ``compare``). Either engine failing stops the run,
@@ -704,13 +703,6 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
         value = getattr(args, key)
         if value is not None and value <= 0:
             parser.error(f"--{key.replace('_', '-')} {value}: give a positive number")
-    if args.fp8 and {"model", "hf_model"} & set(args.save_contents.split(",")):
-        parser.error(
-            f"--fp8 with --save-contents {args.save_contents}: verl saves the model as HF safetensors through "
-            "mbridge's save_hf_weight, which groups the export by the loaded checkpoint's index; an FP8 index lists "
-            "*_scale_inv tensors that the bf16 export never yields, so no shard is written and the load fails. "
-            "Use --save-contents optimizer,extra until the FP8 reader gives mbridge a bf16 index"
-        )
     unknown = set(args.save_contents.split(",")) - {"model", "optimizer", "extra", "hf_model", "none"}
     if unknown:
         parser.error(f"--save-contents {args.save_contents}: {sorted(unknown)} are not verl's (model, optimizer, "

@@ -8,6 +8,9 @@ as FP8 (e4m3, 128x128 block scales). Checked here:
   parameters, and neither their (absent) indexer tensors nor the MTP layer's are read; the MTP layer
   is said once per load;
 * FP8: the checkpoint loads to the dequantised bf16 values exactly, with or without an index file;
+* saving an HF checkpoint: every trained tensor is written although the loaded index lists tensors the export never
+  yields (the MTP layer, an FP8 release's block scales), the index lists exactly what was written, and a model loaded
+  from FP8 saves bf16 weights with a config that does not claim FP8;
 * the rollout: what ``get_per_tensor_param`` streams to vLLM is the checkpoint's trained tensors (no MTP
   layer, no indexer on shared layers); that vLLM loads it, every parameter, into vllm-ascend's model is
   executed in tests_npu/test_vllm_load_weights.py (network and ascend_sim tiers);
@@ -267,6 +270,78 @@ def test_an_fp8_checkpoint_loads_to_the_dequantised_values_exactly(engine, fp8_c
             assert torch.equal(state[local], want.to(state[local].dtype)), local
     finally:
         engine.bridge.load_weights(engine.module, str(glm5_2[0]))  # the other tests' bf16 weights
+
+
+# --- saving an HF checkpoint ----------------------------------------------------------------------------
+
+
+def saved_checkpoint(engine, out: Path) -> tuple[dict[str, torch.Tensor], dict | None, dict]:
+    """The engine's model saved as an HF checkpoint (mbridge's save_weights through the bridge): its tensors, its
+    index (None: one file) and its config.json."""
+    engine.bridge.save_weights(engine.module, str(out))
+    index_file = out / "model.safetensors.index.json"
+    index = json.loads(index_file.read_text()) if index_file.exists() else None
+    return load_checkpoint(out), index, json.loads((out / "config.json").read_text())
+
+
+def assert_index_lists_exactly_the_saved_tensors(out: Path, saved: dict[str, torch.Tensor], index: dict) -> None:
+    from safetensors import safe_open
+
+    assert set(index["weight_map"]) == set(saved)
+    for filename in set(index["weight_map"].values()):
+        with safe_open(str(out / filename), framework="pt") as f:
+            assert {n for n, where in index["weight_map"].items() if where == filename} == set(f.keys()), filename
+    assert index["metadata"]["total_size"] == sum(t.numel() * t.element_size() for t in saved.values())
+    assert not list(out.glob("*.partial"))
+
+
+def test_a_saved_checkpoint_holds_every_trained_tensor_although_the_mtp_layer_shares_its_shards(
+    engine, exported, trained, glm5_2, tmp_path
+):
+    """The loaded checkpoint's index lists the MTP layer beside trained tensors; mbridge's saver waited for it
+    (verl_npu/engine/bridges/hf_save.py) and never wrote those shards."""
+    index = json.loads((glm5_2[0] / "model.safetensors.index.json").read_text())["weight_map"]
+    mtp_files = {index[n] for n in index if n.startswith(mtp_prefixes(glm5_2[1]))}
+    assert any(index[n] in mtp_files for n in trained)  # the case: a shard holds both
+    saved, saved_index, _ = saved_checkpoint(engine, tmp_path)
+    assert set(saved) == trained
+    for name, tensor in saved.items():
+        assert torch.equal(tensor, exported[name]), name
+    assert_index_lists_exactly_the_saved_tensors(tmp_path, saved, saved_index)
+
+
+def test_mbridges_own_saver_loses_the_shards_that_hold_an_unexported_tensor(engine, trained, glm5_2, tmp_path):
+    """Why the bridge's readers save with verl_npu.engine.bridges.hf_save: mbridge 0.15.1's SafeTensorIO, given
+    the same export, writes fewer tensors than were trained (and warns)."""
+    from mbridge.core.safetensor_io import SafeTensorIO
+
+    theirs = SafeTensorIO(str(glm5_2[0]))
+    with pytest.warns(UserWarning, match="Some weights are not saved"):
+        theirs.save_hf_weight(engine.bridge.export_weights(engine.module), str(tmp_path), [])
+    assert set(load_checkpoint(tmp_path)) < trained
+
+
+def test_a_save_after_an_fp8_load_writes_the_bf16_weights_without_the_fp8_config(
+    engine, fp8_checkpoint, glm5_2, trained, tmp_path, monkeypatch
+):
+    """Loaded from the FP8 release, the model saves its dequantised bf16 weights: every trained tensor, no block
+    scale, and a config without ``quantization_config`` (a loader would take the bf16 weights for FP8 codes)."""
+    path, fp8_config, tensors = fp8_checkpoint
+    expected = dequantised(tensors)
+    # an engine built from the FP8 release has its config (the bridge's hf_config), quantization_config included
+    monkeypatch.setattr(engine.bridge.hf_config, "quantization_config", fp8_config.quantization_config, raising=False)
+    try:
+        engine.bridge.load_weights(engine.module, str(path))
+        saved, index, config = saved_checkpoint(engine, tmp_path)
+    finally:
+        engine.bridge.load_weights(engine.module, str(glm5_2[0]))  # the other tests' bf16 weights
+    assert set(saved) == trained and not [n for n in saved if n.endswith(SCALE_SUFFIX)]
+    for name, tensor in saved.items():
+        assert tensor.dtype == expected[name].dtype and torch.equal(tensor, expected[name]), name
+    assert "quantization_config" not in config and config["model_type"] == "glm_moe_dsa"
+    assert engine.bridge.hf_config.quantization_config["quant_method"] == "fp8"  # the bridge's own config keeps it
+    if index is not None:
+        assert_index_lists_exactly_the_saved_tensors(tmp_path, saved, index)
 
 
 # --- the rollout: what the engine exports --------------------------------------------------------------

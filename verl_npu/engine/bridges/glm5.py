@@ -48,6 +48,7 @@ from verl_npu.contracts.vllm import moe_layers as vllm_moe_layers
 from verl_npu.contracts.vllm_ascend import layers_without_indexer
 from verl_npu.engine.bridges.absorbed_mla import merge_kv_b_proj, split_kv_b_proj
 from verl_npu.engine.bridges.fp8_safetensors import BlockFP8SafeTensorIO, is_fp8_block_scaled
+from verl_npu.engine.bridges.hf_save import SavesWhatIsExported
 from verl_npu.engine.glm5_config import (
     MODEL_TYPE,
     SHARED,
@@ -102,11 +103,11 @@ class _EachNameOnce:
         return super().load_some_hf_weight(list(dict.fromkeys(hf_weight_names)))
 
 
-class _Reader(_EachNameOnce, SafeTensorIO):
+class _Reader(_EachNameOnce, SavesWhatIsExported, SafeTensorIO):
     pass
 
 
-class _BlockFP8Reader(_EachNameOnce, BlockFP8SafeTensorIO):
+class _BlockFP8Reader(_EachNameOnce, SavesWhatIsExported, BlockFP8SafeTensorIO):
     pass
 
 
@@ -284,6 +285,17 @@ class GLM5Bridge(DeepseekV3Bridge):
         if pending:
             missing = {layer: "K" if "k" not in halves else "V" for layer, halves in pending.items()}
             raise RuntimeError(f"GLM-5 bridge: kv_b_proj cannot be exported, the {missing} halves never came")
+
+    def save_weights(self, models: list[torch.nn.Module], weights_path: str, memory_efficient: bool = False) -> None:
+        """mbridge's saver (its reader lays the shards out: verl_npu.engine.bridges.hf_save). Loaded from an FP8
+        release, the weights saved are the dequantised bf16 ones, so the saved config drops the release's
+        ``quantization_config``: with it, a loader would read bf16 weights as FP8 codes without scales."""
+        quantization = self.hf_config.__dict__.pop("quantization_config", None)
+        try:
+            super().save_weights(models, weights_path, memory_efficient)
+        finally:
+            if quantization is not None:
+                self.hf_config.quantization_config = quantization
 
     # --- local-spec experts under expert / tensor parallelism --------------------------------
     def load_weights(self, models: list[torch.nn.Module], weights_path: str, memory_efficient: bool = False) -> None:

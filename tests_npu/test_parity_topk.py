@@ -110,6 +110,7 @@ def test_selections_of_other_rows_or_other_k_are_not_compared():
         (lambda r: r["all_rows"].update(rate=True), "all_rows.rate=True"),
         (lambda r: r["all_rows"].update(shape=[2]), "all_rows.shape"),
         (lambda r: r["all_rows"].update(shape=[2, 601]), "all_rows.bits"),
+        (lambda r: r["all_rows"].update(shape=[4096, 1 << 20]), "more than 1048576 a run has"),
         (lambda r: r["all_rows"].update(bits="not base64!"), "malformed top-k record"),
     ],
 )

@@ -36,6 +36,8 @@ MAX_TOPK_ROWS = 256
 TOPK_KEYS = 16384
 # all_rows: the key sample keeps about this many of a row's k selected keys (one key in k // SAMPLED_KEYS)
 SAMPLED_KEYS = 64
+# the largest [b, s] a record's all_rows may claim (a parity run's is 2 x 2048): decoding walks every query row
+MAX_ALL_ROWS_QUERIES = 1 << 20
 
 
 def _tensor(output: Any) -> torch.Tensor | None:
@@ -217,6 +219,8 @@ def all_rows_sets(record: dict[str, Any]) -> dict[tuple[int, int], frozenset[int
     if not (isinstance(shape, list) and len(shape) == 2 and all(isinstance(n, int) and n > 0 for n in shape)):
         raise ValueError(f"all_rows.shape={shape!r}: expected [sequences, queries]")
     b, s = shape
+    if b * s > MAX_ALL_ROWS_QUERIES:
+        raise ValueError(f"all_rows.shape={shape!r}: {b * s} query rows, more than {MAX_ALL_ROWS_QUERIES} a run has")
     sample = key_sample(rate, s)
     rows = judged_rows(b, s, k)
     counts = np.cumsum(sample)  # sampled keys <= query j: counts[j]

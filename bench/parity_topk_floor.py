@@ -56,8 +56,10 @@ def _random_like(record: dict, seed: int) -> dict:
 
     from verl_npu.parity.probes import topk_record
 
-    b, s = record["all_rows"]["shape"] if "all_rows" in record else (1 + max(r[0] for r in record["rows"]), None)
-    s = s or 1 + max(r[1] for r in record["rows"])
+    if "all_rows" in record:
+        b, s = record["all_rows"]["shape"]
+    else:  # every row stored exactly: the last row is the last sequence's last query
+        b, s = (1 + max(r[axis] for r in record["rows"]) for axis in (0, 1))
     k = record["k"]
     gen = torch.Generator().manual_seed(seed)
     scores = torch.rand(b, s, s, generator=gen).masked_fill(torch.ones(s, s, dtype=torch.bool).triu(1), float("-inf"))

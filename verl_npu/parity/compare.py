@@ -295,7 +295,6 @@ def agreement(a: TopK, b: TopK) -> Agreement:
     """``a``'s selection against ``b``'s: over every query row where both recorded them, else their exact rows."""
     if a.k != b.k:
         raise ValueError(f"the runs selected different numbers of keys (k {a.k} vs {b.k})")
-    keep = {r: min(1.0, b.k / (r[1] + 1)) for r in b.rows}
     if a.every_row is not None and b.every_row is not None:
         if set(a.every_row) != set(b.every_row) or not b.every_row:
             raise ValueError("the runs recorded different (or no) query rows")
@@ -307,7 +306,9 @@ def agreement(a: TopK, b: TopK) -> Agreement:
         shared = sum(len(a.every_row[r] & b.every_row[r]) for r in b.every_row)
         random = sum(w * min(1.0, b.k / (r[1] + 1)) for r, w in weights.items()) / total
         return Agreement(shared / total, random, len(b.every_row), True)
-    return Agreement(overlap(a.rows, b.rows), sum(keep.values()) / len(keep), len(b.rows), False)
+    exact = overlap(a.rows, b.rows)  # first: rows that differ (or none) are a ValueError
+    random = sum(min(1.0, b.k / (r[1] + 1)) for r in b.rows) / len(b.rows)
+    return Agreement(exact, random, len(b.rows), False)
 
 
 def topk_floor(measured_floor: float, random: float) -> float:

@@ -60,7 +60,8 @@ class SavesWhatIsExported:
                 raise RuntimeError(f"the export yielded {name!r} twice: one of the two would be lost")
             pending[filename][name] = tensor.detach().cpu()
             self._saved_bytes += tensor.numel() * tensor.element_size()
-            if filename != EXTRA_SHARD and set(pending[filename]) == expected[filename]:
+            # every pending name of a listed shard is one of its expected names: equal counts mean it is whole
+            if filename != EXTRA_SHARD and len(pending[filename]) == len(expected[filename]):
                 _save_shard(pending.pop(filename), os.path.join(new_hf_dir, filename))
                 saved.update(dict.fromkeys(expected[filename], filename))
         for filename, tensors in pending.items():  # shards some of whose tensors are never exported

@@ -20,13 +20,17 @@ is a method verl's trainer calls on an engine:
   the next step (verl caches its conversion tasks after the first);
 - ``save``, ``checkpoint_load``: ``engine.save_checkpoint`` / ``engine.load_checkpoint`` (its files evicted from
   the page cache before the load);
-- ``offload``, ``onload``: ``engine.to("cpu")`` / ``engine.to(<device>)`` of parameters, gradients and optimizer.
+- ``offload``, ``onload``: ``engine.to("cpu")`` / ``engine.to(<device>)`` of parameters, gradients and optimizer,
+  the first time (an engine may allocate its host buffers then); ``offload_again``, ``onload_again``: the next
+  step's, as every later step pays them.
 
 The device is synchronised around every phase. Bytes: the checkpoint's files (load), the exported tensors (export),
-the DDP parameter and gradient buffers plus the optimizer's fp32 main parameters and moments (offload, onload), the
-saved files (save, checkpoint_load). Limits, in the parent process: reading the checkpoint's files as ``cat`` does
-(1 MiB reads, evicted with ``posix_fadvise(DONTNEED)`` first); pinned host-to-device and device-to-host copies;
-a device-to-device copy. On the CPU (no device) the limits are host memory copies, not pinned.
+the DDP parameter buffers plus the optimizer's fp32 main parameters and moments (offload, onload: both engines free
+the gradient buffers and allocate them zeroed again, copying nothing), the saved files (save, checkpoint_load).
+Limits, in the parent process: reading the checkpoint's files as ``cat`` does (1 MiB reads, evicted with
+``posix_fadvise(DONTNEED)`` first); writing as many bytes (at most 4 GiB) in 1 MiB writes and ``fsync`` (the save's
+limit); pinned host-to-device and device-to-host copies; a device-to-device copy. On the CPU (no device) the copy
+limits are host memory copies, not pinned.
 
 Where verl's stack is not whole. The nvidia-h200 machine has no Ray, datasets, pandas, wandb or tensorboard (only
 small wheels reach it, bench/rl_step_carry.py). Where any is absent, verl's engine module is imported through
@@ -83,14 +87,16 @@ REPO = Path(__file__).resolve().parents[1]
 
 ENGINES = ("ours", "verl")
 PHASES = (
-    "load", "old_log_prob", "ref_log_prob", "train", "export", "export_again", "offload", "onload", "save",
-    "checkpoint_load",
+    "load", "old_log_prob", "ref_log_prob", "train", "export", "export_again", "offload", "onload", "offload_again",
+    "onload_again", "save", "checkpoint_load",
 )  # fmt: skip
 # the limit each phase's rate is a fraction of (None: a compute phase, no bytes limit)
 LIMIT_OF = {
-    "load": "disk_read", "export": "device_copy", "export_again": "device_copy", "save": "device_to_host",
+    "load": "disk_read", "export": "device_copy", "export_again": "device_copy", "save": "disk_write",
     "checkpoint_load": "disk_read", "offload": "device_to_host", "onload": "host_to_device",
+    "offload_again": "device_to_host", "onload_again": "host_to_device",
 }  # fmt: skip
+WRITE_BYTES = 4 << 30  # at most: the disk write limit writes as much as the checkpoint holds, up to this
 READ_CHUNK = 1 << 20
 COPY_BYTES = {"cuda": 1 << 30, "cpu": 64 << 20}  # the copies that measure the limits
 LEARNING_RATE = 1e-3  # large enough that one step changes bf16 weights: the round-trip check then sees a new model
@@ -134,6 +140,19 @@ def read_like_cat(paths: list[Path]) -> tuple[int, float]:
     return total, time.perf_counter() - started
 
 
+def write_and_sync(path: Path, nbytes: int) -> tuple[int, float]:
+    """(bytes, seconds) of writing ``nbytes`` in 1 MiB writes and fsync-ing them: the disk's durable write rate."""
+    chunk = memoryview(os.urandom(READ_CHUNK))
+    started = time.perf_counter()
+    with open(path, "wb", buffering=0) as f:
+        for offset in range(0, nbytes, READ_CHUNK):
+            f.write(chunk[: min(READ_CHUNK, nbytes - offset)])
+        os.fsync(f.fileno())
+    seconds = time.perf_counter() - started
+    path.unlink()
+    return nbytes, seconds
+
+
 def synchronize(device: str) -> None:
     import torch
 
@@ -152,11 +171,13 @@ def _best_copy_seconds(destination: Any, source: Any, device: str, repeats: int)
     return best
 
 
-def measure_limits(files: list[Path], device: str, copy_bytes: int, repeats: int = 3) -> dict[str, Any]:
+def measure_limits(files: list[Path], device: str, copy_bytes: int, work: Path, repeats: int = 3) -> dict[str, Any]:
     import torch
 
     read_bytes, read_seconds = read_like_cat(files)
     limits: dict[str, Any] = {"disk_read": {"bytes": read_bytes, "seconds": read_seconds}}
+    written, write_seconds = write_and_sync(work / "disk_write_limit.bin", min(read_bytes, WRITE_BYTES))
+    limits["disk_write"] = {"bytes": written, "seconds": write_seconds, "synced": True}
     pinned = device == "cuda"
     host = torch.empty(copy_bytes, dtype=torch.uint8, pin_memory=pinned)
     host.fill_(1)
@@ -469,11 +490,16 @@ def run_engine(engine_kind: str, spec: dict[str, Any], out: Path) -> None:
     del buffer
     recorder.result["export_digest_trained"] = export_digest(engine)
     trained = _log_probs(engine, infer_td)  # untimed: what offload, onload, save and load must keep
-    moved = recorder.result["state_bytes"]["total"]
+    # what a transition copies: the parameters and the optimizer's state (both engines free the gradient buffers
+    # on offload and allocate them zeroed on onload, copying nothing)
+    moved = recorder.result["state_bytes"]["params"] + recorder.result["state_bytes"]["optimizer"]
     with recorder.phase("offload", bytes=moved):
         engine.to("cpu")
     with recorder.phase("onload", bytes=moved):
         engine.to(get_device_name())
+    for name, device in (("offload_again", "cpu"), ("onload_again", get_device_name())):  # the next step's
+        with recorder.phase(name, bytes=moved):
+            engine.to(device)
     if spec["save_contents"]:
         _save_and_load(engine, recorder, work / f"{engine_kind}_checkpoint")
     after = _log_probs(engine, infer_td)
@@ -734,7 +760,7 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit(f"--checkpoint {checkpoint}: no *.safetensors files (write one with bench/rl_step_models.py)")
     config = json.loads((checkpoint / "config.json").read_text())
     checkpoint_bytes = sum(f.stat().st_size for f in files)
-    limits = measure_limits(files, device, COPY_BYTES[device])
+    limits = measure_limits(files, device, COPY_BYTES[device], work)
     spec = {
         "model": args.model, "tiny": args.tiny, "fp8": args.fp8, "device": device, "checkpoint": str(checkpoint),
         "work": str(work), "vocab_size": config["vocab_size"], "seq": args.seq or (32 if args.tiny else 2048),

@@ -9,9 +9,10 @@ It works on storages, not tensors: every view (a parameter inside a DDP buffer, 
 a distributed-optimizer shard that aliases a model parameter) stays valid, each storage is copied
 once even when several kinds reference it, and the bytes round-trip exactly. Each kind has one host
 arena, allocated once (in the background from construction, with room for the moments torch's Adam
-creates at its first step, so the first offload does not pay for it) and reused: host memory never holds two copies of the same state. Copies run on a side stream;
-onload makes the compute stream wait for them instead of blocking the host. Each transition logs
-bytes, seconds and GB/s at debug level.
+creates at its first step, so the first offload does not pay for it) and reused: host memory never
+holds two copies of the same state. Copies run on a side stream; onload makes the compute stream
+wait for them instead of blocking the host. Each transition logs bytes, seconds and GB/s at debug
+level.
 
 An arena takes the host RAM it needs and no more (verl_npu.engine.host_arena has the layouts and
 the reasons): on CUDA one pageable allocation pinned by cudaHostRegister; on Ascend (and any

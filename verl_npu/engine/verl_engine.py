@@ -20,6 +20,7 @@ from verl.workers.engine.megatron import MegatronEngineWithLMHead, MegatronEngin
 
 from verl_npu import platform as _platform
 from verl_npu.engine import build, router_replay
+from verl_npu.engine.bridges import fast_load, fast_read
 from verl_npu.engine.build_plan import build_plan
 from verl_npu.engine.offload import OffloadManager
 from verl_npu.engine.optimizer_state import ensure_torch_adam_state, resync_torch_adam_steps
@@ -49,12 +50,16 @@ class NPUMegatronEngineMixin:
         )
         build.enter_mindspeed(self.build_plan)
         logger.info("verl-npu engine build plan: %s", self.build_plan)
+        if not self.engine_config.use_dist_checkpointing:  # the HF checkpoint is read once the model is built
+            fast_read.warm_page_cache(self.model_config.local_path)
         super()._init_device_mesh()
 
     def _build_tf_config(self):
         super()._build_tf_config()
         if self.vanilla_bridge and build.adapt_bridge(self.bridge, self.build_plan):
             logger.info("verl-npu engine: %s builds on megatron-core's local spec", type(self.bridge).__name__)
+        if self.vanilla_bridge and fast_load.bind_to(self.bridge):
+            logger.info("verl-npu engine: %s loads HF checkpoints with parallel reads", type(self.bridge).__name__)
 
     def _build_megatron_module(self):
         module = super()._build_megatron_module()

@@ -20,7 +20,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from test_glm5_bridge import cpu_engine, gpt_of, no_hadamard_shim_afterwards, select_npu_engine  # noqa: F401
 
-from verl_npu.engine.bridges import fast_load, fast_read
+from verl_npu.engine.bridges import fast_export, fast_load, fast_read
 
 
 def every_dtype() -> dict[str, torch.Tensor]:
@@ -144,6 +144,7 @@ def test_the_engine_loads_a_dense_model_bit_identically_to_mbridges_loader(dense
     engine = cpu_engine(dense_dir)
     bridge = engine.bridge
     assert bridge.load_weights.func is fast_load.load_weights  # what the engine bound, and loaded with
+    assert bridge.export_weights.func is fast_export.export_weights  # and what it streams to the rollout with
     gpt = gpt_of(engine)
     ours = {name: t.detach().clone() for name, t in gpt.state_dict().items() if "_extra_state" not in name}
     with torch.no_grad():

@@ -20,7 +20,7 @@ from verl.workers.engine.megatron import MegatronEngineWithLMHead, MegatronEngin
 
 from verl_npu import platform as _platform
 from verl_npu.engine import build, router_replay
-from verl_npu.engine.bridges import fast_load, fast_read
+from verl_npu.engine.bridges import fast_export, fast_load, fast_read
 from verl_npu.engine.build_plan import build_plan
 from verl_npu.engine.offload import OffloadManager
 from verl_npu.engine.optimizer_state import ensure_torch_adam_state, resync_torch_adam_steps
@@ -60,6 +60,8 @@ class NPUMegatronEngineMixin:
             logger.info("verl-npu engine: %s builds on megatron-core's local spec", type(self.bridge).__name__)
         if self.vanilla_bridge and fast_load.bind_to(self.bridge):
             logger.info("verl-npu engine: %s loads HF checkpoints with parallel reads", type(self.bridge).__name__)
+        if self.vanilla_bridge and fast_export.bind_to(self.bridge):
+            logger.info("verl-npu engine: %s exports with the metadata exchanged once", type(self.bridge).__name__)
 
     def _build_megatron_module(self):
         module = super()._build_megatron_module()

@@ -45,7 +45,7 @@ from mbridge.models.deepseek_v3 import DeepseekV3Bridge
 from verl_npu import platform as _platform
 from verl_npu.contracts.vllm import moe_layers as vllm_moe_layers
 from verl_npu.contracts.vllm_ascend import layers_without_indexer
-from verl_npu.engine.bridges import fast_load
+from verl_npu.engine.bridges import fast_export, fast_load
 from verl_npu.engine.bridges.absorbed_mla import merge_kv_b_proj, split_kv_b_proj
 from verl_npu.engine.bridges.fast_read import ParallelSafeTensorIO
 from verl_npu.engine.bridges.fp8_safetensors import BlockFP8SafeTensorIO, is_fp8_block_scaled
@@ -271,8 +271,9 @@ class GLM5Bridge(DeepseekV3Bridge):
         return [hf_name], [merge_kv_b_proj(halves["k"], halves["v"], *self._absorbed_dims())]
 
     def export_weights(self, models):
-        """mbridge's export; a layer whose absorbed K or V half never came is an error, not a silent gap
-        (under verl's ``load_format: dummy`` a tensor never sent stays random in vLLM).
+        """mbridge's export (as verl_npu.engine.bridges.fast_export runs it: the pipeline metadata exchanged once,
+        not per tensor); a layer whose absorbed K or V half never came is an error, not a silent gap (under verl's
+        ``load_format: dummy`` a tensor never sent stays random in vLLM).
 
         Shared DSA layers have no indexer parameters, so nothing is exported for them, which is what vLLM
         under vllm-ascend expects when its own rule (top-k reuse from ``index_topk_freq`` /
@@ -281,7 +282,7 @@ class GLM5Bridge(DeepseekV3Bridge):
         """
         self._warn_if_the_rollout_builds_another_model()
         self.__dict__["_absorbed_pending"] = {}
-        yield from super().export_weights(models)
+        yield from fast_export.export_weights(self, models)
         pending = self.__dict__.pop("_absorbed_pending")
         if pending:
             missing = {layer: "K" if "k" not in halves else "V" for layer, halves in pending.items()}

@@ -49,7 +49,8 @@ gives verl's class). Our process sets ``VERL_ENGINE_DEVICE=npu VERL_ENGINE_VENDO
 (``VERL_NPU_ALLOW_MISMATCH=1``: the device's torch is not the pinned one; the mismatches are in the JSON).
 
 ``--fp8`` is GLM-5 only (mbridge's Qwen2 bridge has no FP8 reader); the model it saves is the dequantised bf16 one
-(verl_npu/engine/bridges/hf_save.py). ``--save-contents none`` leaves out both checkpoint phases (what a 64 GiB disk
+(verl_npu/engine/bridges/hf_save.py). ``--no-transitions`` leaves out the four offload/onload phases.
+``--save-contents none`` leaves out both checkpoint phases (what a 64 GiB disk
 allows for GLM-5 with its optimizer).
 
 Correctness, in the same run: the exported tensors' names, shapes, dtypes and SHA-256 of their bytes, and the
@@ -493,11 +494,13 @@ def run_engine(engine_kind: str, spec: dict[str, Any], out: Path) -> None:
     # what a transition copies: the parameters and the optimizer's state (both engines free the gradient buffers
     # on offload and allocate them zeroed on onload, copying nothing)
     moved = recorder.result["state_bytes"]["params"] + recorder.result["state_bytes"]["optimizer"]
-    with recorder.phase("offload", bytes=moved):
-        engine.to("cpu")
-    with recorder.phase("onload", bytes=moved):
-        engine.to(get_device_name())
-    for name, device in (("offload_again", "cpu"), ("onload_again", get_device_name())):  # the next step's
+    transitions = (
+        ("offload", "cpu"),
+        ("onload", get_device_name()),
+        ("offload_again", "cpu"),
+        ("onload_again", get_device_name()),
+    )  # the first step's, then the next step's
+    for name, device in transitions if spec.get("transitions", True) else ():
         with recorder.phase(name, bytes=moved):
             engine.to(device)
     if spec["save_contents"]:
@@ -671,10 +674,19 @@ def device_facts(device: str) -> dict[str, Any]:
     return facts
 
 
+def source_digest() -> str:
+    """SHA-256 over the repository's Python files under verl_npu/ and bench/ (path and bytes): which code ran, where
+    the machine's git metadata may lag the files it was sent (the device copies the working tree)."""
+    digest = hashlib.sha256()
+    for path in sorted([*REPO.joinpath("verl_npu").rglob("*.py"), *REPO.joinpath("bench").rglob("*.py")]):
+        digest.update(str(path.relative_to(REPO)).encode() + b"\0" + path.read_bytes() + b"\0")
+    return digest.hexdigest()[:16]
+
+
 def _versions() -> dict[str, str]:
     from verl_npu.parity.job import versions
 
-    return versions()
+    return {**versions(), "verl-npu sources sha256": source_digest()}
 
 
 def _check_disk(work: Path, model: str, tiny: bool, save_contents: list[str], writes_checkpoint: bool) -> None:
@@ -712,6 +724,11 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--work", type=Path, default=None, help="checkpoints and logs (default: a new temp dir)")
     parser.add_argument("--checkpoint", type=Path, default=None, help="an HF checkpoint rl_step_models.py wrote")
     parser.add_argument("--without-driver", action="store_true", help="stand in for verl's driver stack")
+    parser.add_argument(
+        "--no-transitions",
+        action="store_true",
+        help="leave out offload and onload (their host copies of GLM-5's optimizer take minutes)",
+    )
     parser.add_argument("--timeout", type=float, default=3600, help="seconds per engine")
     parser.add_argument("--child", choices=ENGINES, help=argparse.SUPPRESS)
     parser.add_argument("--spec", type=Path, help=argparse.SUPPRESS)
@@ -766,6 +783,7 @@ def main(argv: list[str] | None = None) -> int:
         "work": str(work), "vocab_size": config["vocab_size"], "seq": args.seq or (32 if args.tiny else 2048),
         "micro_batch_size": args.micro_batch_size or (2 if args.tiny else 1), "micro_batches": args.micro_batches,
         "bucket_mb": args.bucket_mb, "save_contents": save_contents, "without_driver": args.without_driver,
+        "transitions": not args.no_transitions,
 
     }  # fmt: skip
     spec_path = work / "spec.json"

@@ -68,7 +68,8 @@ def trained(glm5_2, checkpoint) -> set[str]:
 
 
 class ReadRecorder:
-    """Records every tensor name mbridge's safetensors readers are asked for."""
+    """Records every tensor name read from a checkpoint file: through mbridge's reader, or through the engine's
+    (verl_npu.engine.bridges.fast_read.read_tensors, which the bridge's readers and its loader call)."""
 
     def __init__(self):
         self.names: list[str] = []
@@ -76,13 +77,22 @@ class ReadRecorder:
     def install(self, monkeypatch):
         from mbridge.core.safetensor_io import SafeTensorIO
 
+        from verl_npu.engine.bridges import fast_read
+
         original = SafeTensorIO.load_some_hf_weight
+        original_read = fast_read.read_tensors
 
         def load_some_hf_weight(io, hf_weight_names):
             self.names.extend(hf_weight_names)
             return original(io, hf_weight_names)
 
+        def read_tensors(path, names, threads=fast_read.READ_THREADS):
+            names = list(names)
+            self.names.extend(names)
+            return original_read(path, names, threads)
+
         monkeypatch.setattr(SafeTensorIO, "load_some_hf_weight", load_some_hf_weight)
+        monkeypatch.setattr(fast_read, "read_tensors", read_tensors)
         return self
 
 

@@ -234,6 +234,29 @@ def test_an_arena_grows_with_the_state_and_still_round_trips(trained, arena, cap
 
 
 @pytest.mark.parametrize("arena", ["auto", "chunked"])
+def test_a_manager_built_before_the_first_step_has_room_for_adams_moments(arena, caplog):
+    """verl builds the manager at the engine's start, before Adam has created its moments; the first offload after the
+    first step must use the arena allocated then (growing it would pin twice the optimizer's bytes, synchronously)."""
+    ddp, optimizer = cpu_megatron.tiny_gpt(seed=5)
+    inner = next(_optimizers(optimizer))
+    assert not any(inner.state.values()), "the fixture's optimizer has stepped already"
+    manager = OffloadManager([ddp], optimizer, device="cpu", arena=arena)
+    reserved = manager._pending_arenas["optimizer"].result().nbytes
+    cpu_megatron.train_step(ddp, optimizer, 0)
+    assert all(v.get("exp_avg") is not None for v in inner.state.values())
+    before = state_bytes(ddp, optimizer)
+    with caplog.at_level(logging.INFO, logger="verl_npu.engine.offload"):
+        manager.offload()
+    assert not any("arena grows" in r.getMessage() for r in caplog.records)
+    assert manager._arena_bytes("optimizer") <= reserved == manager._arenas["optimizer"].nbytes
+    if arena == "auto":  # one allocation of what was asked (chunks round up): no slack beyond alignment
+        assert reserved - manager._arena_bytes("optimizer") < 512
+    manager.onload()
+    after = state_bytes(ddp, optimizer)
+    assert all(torch.equal(after[k], before[k]) for k in before)
+
+
+@pytest.mark.parametrize("arena", ["auto", "chunked"])
 def test_a_plain_tensor_set_round_trips_every_kind(arena):
     """The tensor set the accelerator tiers pin (support/offload_tensors.py), here in host memory."""
     module, optimizer = offload_tensors.tensor_set("cpu", seed=3)

@@ -135,6 +135,10 @@ def test_verl_builds_our_engine_on_the_local_spec_and_matches_the_hf_model(model
 
     engine = new_engine(model_dir, offload=False)
     assert type(engine) is NPUMegatronEngineWithLMHead
+    # offload off: no manager, so no host arena is pinned beside the passes (verl's init calls to() with nothing)
+    assert engine._offload_manager is None
+    assert next(iter(engine.get_per_tensor_param()[0]))[1].device == next(engine.module[0].parameters()).device
+    assert engine._offload_manager is None
     gpt = engine.module[0].module.module
     assert isinstance(gpt.decoder.layers[0].input_layernorm, RMSNorm) and isinstance(
         gpt.decoder.final_layernorm, RMSNorm

@@ -8,10 +8,11 @@ entry whatever its key and dtype, e.g. exp_avg, exp_avg_sq, int16 master_param r
 It works on storages, not tensors: every view (a parameter inside a DDP buffer, a main-grad view,
 a distributed-optimizer shard that aliases a model parameter) stays valid, each storage is copied
 once even when several kinds reference it, and the bytes round-trip exactly. Each kind has one host
-arena, allocated once (in the background from construction, so the first offload does not pay for
-it) and reused: host memory never holds two copies of the same state. Copies run on a side stream;
-onload makes the compute stream wait for them instead of blocking the host. Each transition logs
-bytes, seconds and GB/s at debug level.
+arena, allocated once (in the background from construction, with room for the moments torch's Adam
+creates at its first step, so the first offload does not pay for it) and reused: host memory never
+holds two copies of the same state. Copies run on a side stream; onload makes the compute stream
+wait for them instead of blocking the host. Each transition logs bytes, seconds and GB/s at debug
+level.
 
 An arena takes the host RAM it needs and no more (verl_npu.engine.host_arena has the layouts and
 the reasons): on CUDA one pageable allocation pinned by cudaHostRegister; on Ascend (and any
@@ -102,6 +103,26 @@ def _optimizer_tensors(optimizer: Any) -> Iterator[torch.Tensor]:
             yield from (v for v in state.values() if isinstance(v, torch.Tensor) and v.dim() > 0)
 
 
+def _aligned(nbytes: int) -> int:
+    return -(-nbytes // _ALIGN) * _ALIGN
+
+
+def lazy_adam_state_bytes(optimizer: Any) -> int:
+    """Arena bytes of the moments torch's Adam/AdamW will create at their first step for parameters that have no
+    state yet (``exp_avg``, ``exp_avg_sq`` and, with amsgrad, ``max_exp_avg_sq``: each the size of its parameter);
+    ``step`` is a host scalar, never offloaded."""
+    total = 0
+    for inner in _optimizers(optimizer):
+        if not isinstance(inner, torch.optim.Adam | torch.optim.AdamW):
+            continue
+        for group in inner.param_groups:
+            moments = 3 if group.get("amsgrad") else 2
+            for param in group["params"]:
+                if isinstance(param, torch.Tensor) and not inner.state.get(param):
+                    total += moments * _aligned(param.nbytes)
+    return total
+
+
 def _ddp_buffers(model_chunks: Iterable[Any]) -> Iterator[Any]:
     """megatron DDP's param/grad buffers; none for an unwrapped module (verl's forward-only models),
     whose ``buffers`` is nn.Module's method, not DDP's list."""
@@ -153,6 +174,11 @@ class OffloadManager:
         for kind in ("params", "optimizer"):
             self._layout(kind)
             total = self._arena_bytes(kind)
+            if kind == "optimizer":
+                # Built before the first step, Adam has no moments yet: without room for them the first offload
+                # would grow the arena, pinning twice the optimizer's bytes while the step waits.
+                lazy = lazy_adam_state_bytes(self.optimizer)
+                total = _aligned(total) + lazy if lazy else total
             if total:
                 self._pending_arenas[kind] = self._pool.submit(self._allocate_in_background, total)
 
@@ -189,7 +215,7 @@ class OffloadManager:
             if nbytes == 0:
                 raise RuntimeError(f"{kind}: a storage is already freed; offload state only through this manager")
             slots.append(_Slot(storage, nbytes, offset))
-            offset += -(-nbytes // _ALIGN) * _ALIGN
+            offset += _aligned(nbytes)
         self._slots[kind] = slots
         return slots
 

@@ -10,6 +10,7 @@ and, off Ascend, the local-spec layers and mbridge adapter (layer_spec, mbridge_
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 
@@ -20,6 +21,7 @@ from verl.workers.engine.megatron import MegatronEngineWithLMHead, MegatronEngin
 
 from verl_npu import platform as _platform
 from verl_npu.engine import build, router_replay
+from verl_npu.engine.bridges import fast_export, fast_load, fast_read
 from verl_npu.engine.build_plan import build_plan
 from verl_npu.engine.offload import OffloadManager
 from verl_npu.engine.optimizer_state import ensure_torch_adam_state, resync_torch_adam_steps
@@ -49,12 +51,18 @@ class NPUMegatronEngineMixin:
         )
         build.enter_mindspeed(self.build_plan)
         logger.info("verl-npu engine build plan: %s", self.build_plan)
+        if not self.engine_config.use_dist_checkpointing:  # the HF checkpoint is read once the model is built
+            fast_read.warm_page_cache(self.model_config.local_path)
         super()._init_device_mesh()
 
     def _build_tf_config(self):
         super()._build_tf_config()
         if self.vanilla_bridge and build.adapt_bridge(self.bridge, self.build_plan):
             logger.info("verl-npu engine: %s builds on megatron-core's local spec", type(self.bridge).__name__)
+        if self.vanilla_bridge and fast_load.bind_to(self.bridge):
+            logger.info("verl-npu engine: %s loads HF checkpoints with parallel reads", type(self.bridge).__name__)
+        if self.vanilla_bridge and fast_export.bind_to(self.bridge):
+            logger.info("verl-npu engine: %s exports with the metadata exchanged once", type(self.bridge).__name__)
 
     def _build_megatron_module(self):
         module = super()._build_megatron_module()
@@ -76,9 +84,19 @@ class NPUMegatronEngineMixin:
             self._offload_manager = OffloadManager(self.module, self.optimizer, device=device)
         return self._offload_manager
 
+    def _resident(self, kinds: list[str]):
+        """The manager's ``resident`` where there is a manager; without one nothing was ever offloaded."""
+        if self._offload_manager is None:
+            return contextlib.nullcontext()
+        return self._offload_manager.resident(kinds)
+
     def to(self, device: str, model: bool = True, optimizer: bool = True, grad: bool = True):
         wanted = (("params", model), ("grads", grad and model), ("optimizer", optimizer and self.optimizer is not None))
         kinds = [kind for kind, on in wanted if on]
+        if not kinds:
+            # verl's initialize() calls this with nothing to move when offload is off: no manager, so no host arena
+            # is pinned (pinning runs beside the passes that follow and slows their launches)
+            return
         manager = self._offloader()
         if device == "cpu":
             manager.offload(kinds)
@@ -88,7 +106,7 @@ class NPUMegatronEngineMixin:
             raise ValueError(f"verl-npu engine: cannot move state to {device!r}; use 'cpu' or {get_device_name()!r}")
 
     def save_checkpoint(self, local_path, hdfs_path=None, global_step=0, max_ckpt_to_keep=None, **kwargs):
-        with self._offloader().resident(["params", "optimizer"]):
+        with self._resident(["params", "optimizer"]):
             if self.optimizer is not None:
                 ensure_torch_adam_state(self.optimizer)  # a save before the first step
             self.checkpoint_mananager.save_checkpoint(
@@ -99,7 +117,7 @@ class NPUMegatronEngineMixin:
     def load_checkpoint(self, local_path, hdfs_path=None, del_local_after_load=True, **kwargs):
         # Loading writes into the device storages; leaving ``resident`` copies the loaded values
         # back to the host arenas for whatever was offloaded before.
-        with self._offloader().resident(["params", "optimizer"]):
+        with self._resident(["params", "optimizer"]):
             if self.optimizer is not None:
                 ensure_torch_adam_state(self.optimizer)  # a fresh engine: resume in a new process
             self.checkpoint_mananager.load_checkpoint(
@@ -109,11 +127,13 @@ class NPUMegatronEngineMixin:
                 logger.info("verl-npu engine: torch Adam step counts restored from the checkpoint")
 
     def get_per_tensor_param(self, *args, **kwargs):
-        self._offloader().onload(["params"])  # verl's exporter reads the parameters on the device
+        if self._offload_manager is not None:
+            self._offload_manager.onload(["params"])  # verl's exporter reads the parameters on the device
         return super().get_per_tensor_param(*args, **kwargs)
 
     def get_per_tensor_param_shard(self, **kwargs):
-        self._offloader().onload(["params"])
+        if self._offload_manager is not None:
+            self._offload_manager.onload(["params"])
         return super().get_per_tensor_param_shard(**kwargs)
 
 

@@ -18,6 +18,8 @@ from __future__ import annotations
 import torch
 from mbridge.core.safetensor_io import SafeTensorIO
 
+from verl_npu.engine.bridges.fast_read import ParallelSafeTensorIO
+
 SCALE_SUFFIX = "_scale_inv"
 BLOCK = 128  # weight_block_size of DeepSeek-V3 and GLM-5.x FP8 checkpoints
 _FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
@@ -45,8 +47,9 @@ def dequantize(codes: torch.Tensor, scale: torch.Tensor, block: int = BLOCK) -> 
     return (codes.float() * per_element).to(torch.bfloat16)
 
 
-class BlockFP8SafeTensorIO(SafeTensorIO):
-    """mbridge's reader, with FP8 weights dequantised to bf16 (other tensors as stored)."""
+class BlockFP8SafeTensorIO(ParallelSafeTensorIO):
+    """mbridge's reader (read in parallel), with FP8 weights dequantised to bf16 on the host (other tensors as stored).
+    The engine's load dequantises on the device instead (verl_npu.engine.bridges.fast_load)."""
 
     def __init__(self, hf_dir: str):
         super().__init__(hf_dir)

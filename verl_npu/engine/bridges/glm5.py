@@ -39,14 +39,15 @@ from typing import ClassVar
 import torch
 from mbridge.core import LLMBridge, register_model
 from mbridge.core.bridge import _MODEL_REGISTRY
-from mbridge.core.safetensor_io import SafeTensorIO
 from mbridge.core.util import unwrap_model
 from mbridge.models.deepseek_v3 import DeepseekV3Bridge
 
 from verl_npu import platform as _platform
 from verl_npu.contracts.vllm import moe_layers as vllm_moe_layers
 from verl_npu.contracts.vllm_ascend import layers_without_indexer
+from verl_npu.engine.bridges import fast_export, fast_load
 from verl_npu.engine.bridges.absorbed_mla import merge_kv_b_proj, split_kv_b_proj
+from verl_npu.engine.bridges.fast_read import ParallelSafeTensorIO
 from verl_npu.engine.bridges.fp8_safetensors import BlockFP8SafeTensorIO, is_fp8_block_scaled
 from verl_npu.engine.bridges.hf_save import SavesWhatIsExported
 from verl_npu.engine.glm5_config import (
@@ -103,7 +104,7 @@ class _EachNameOnce:
         return super().load_some_hf_weight(list(dict.fromkeys(hf_weight_names)))
 
 
-class _Reader(_EachNameOnce, SavesWhatIsExported, SafeTensorIO):
+class _Reader(_EachNameOnce, SavesWhatIsExported, ParallelSafeTensorIO):
     pass
 
 
@@ -270,8 +271,9 @@ class GLM5Bridge(DeepseekV3Bridge):
         return [hf_name], [merge_kv_b_proj(halves["k"], halves["v"], *self._absorbed_dims())]
 
     def export_weights(self, models):
-        """mbridge's export; a layer whose absorbed K or V half never came is an error, not a silent gap
-        (under verl's ``load_format: dummy`` a tensor never sent stays random in vLLM).
+        """mbridge's export (as verl_npu.engine.bridges.fast_export runs it: the pipeline metadata exchanged once,
+        not per tensor); a layer whose absorbed K or V half never came is an error, not a silent gap (under verl's
+        ``load_format: dummy`` a tensor never sent stays random in vLLM).
 
         Shared DSA layers have no indexer parameters, so nothing is exported for them, which is what vLLM
         under vllm-ascend expects when its own rule (top-k reuse from ``index_topk_freq`` /
@@ -280,7 +282,7 @@ class GLM5Bridge(DeepseekV3Bridge):
         """
         self._warn_if_the_rollout_builds_another_model()
         self.__dict__["_absorbed_pending"] = {}
-        yield from super().export_weights(models)
+        yield from fast_export.export_weights(self, models)
         pending = self.__dict__.pop("_absorbed_pending")
         if pending:
             missing = {layer: "K" if "k" not in halves else "V" for layer, halves in pending.items()}
@@ -311,7 +313,7 @@ class GLM5Bridge(DeepseekV3Bridge):
         """
         self._defer_local_experts = True
         try:
-            super().load_weights(models, weights_path, memory_efficient)
+            fast_load.load_weights(self, models, weights_path, memory_efficient)  # mbridge's, faster
         finally:
             self._defer_local_experts = False
         self._log_mtp_not_loaded()
@@ -379,13 +381,19 @@ class GLM5Bridge(DeepseekV3Bridge):
             if _LOCAL_EXPERT.search(local)
         }
         hf_names = {local: self._weight_name_mapping_mcore_to_hf(name) for local, name in names.items()}
-        read_now = self.mpu.etp_rank == 0 and not memory_efficient
-        loaded = self.safetensor_io.load_some_hf_weight([n for ns in hf_names.values() for n in ns]) if read_now else {}
+        reader = self.safetensor_io
+        on_device = fast_load.takes(reader)  # as stored, FP8 dequantised on the device (fast_load.to_device)
+        loaded = {}
+        if self.mpu.etp_rank == 0:
+            wanted = [n for ns in hf_names.values() for n in ns]
+            loaded = fast_load.read_for_device(reader, wanted) if on_device else reader.load_some_hf_weight(wanted)
         state = model.state_dict()
         for local, name in names.items():
             param, shards = state[local], None
             if self.mpu.etp_rank == 0:
-                tensors = [loaded[n] if read_now else self.safetensor_io.load_one_hf_weight(n) for n in hf_names[local]]
+                tensors = [
+                    fast_load.to_device(n, loaded, param.device) if on_device else loaded[n] for n in hf_names[local]
+                ]
                 weight = self._weight_to_mcore_format(name, tensors)
                 split = self._weight_split_across_tp(name, weight, param, self.mpu.etp_size)  # TE-style name
                 shards = [t.to(param.device, dtype=param.dtype).contiguous() for t in split]

@@ -1,0 +1,173 @@
+"""The engine's HF checkpoint load (verl_npu/engine/bridges/fast_read.py, fast_load.py): the bytes safetensors
+gives, every malformed header refused by name, and a model loaded bit-identically to mbridge 0.15.1's loader.
+
+GLM-5's load (its experts, FP8 dequantised as the loader does it) is checked against the checkpoint's own values in
+tests_npu/test_glm5_2_bridge.py; bench/rl_step.py checks both engines' exports against the checkpoint on the device.
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("mbridge", reason="the bridges' loader; not installed here")
+
+from safetensors import safe_open
+from safetensors.torch import save_file
+from test_glm5_bridge import cpu_engine, gpt_of, no_hadamard_shim_afterwards, select_npu_engine  # noqa: F401
+
+from verl_npu.engine.bridges import fast_export, fast_load, fast_read
+
+
+def every_dtype() -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    return {
+        "a.bool": torch.rand(7, generator=g) > 0.5,  # 7 bytes: what follows is misaligned unless padded
+        "b.bf16": torch.randn(5, 3, generator=g).bfloat16(),
+        "c.f32": torch.randn(11, generator=g),
+        "d.fp8": torch.randn(4, 9, generator=g).to(torch.float8_e4m3fn),
+        "e.i64": torch.randint(-(2**40), 2**40, (3, 2), generator=g),
+        "f.u8": torch.randint(0, 255, (13,), generator=g, dtype=torch.uint8),
+        "g.f16": torch.randn(2, 2, 2, generator=g).half(),
+        "h.empty": torch.zeros(0, 4),
+    }
+
+
+def test_read_tensors_gives_safetensors_bytes_for_every_dtype_in_parallel_chunks(tmp_path, monkeypatch):
+    path = tmp_path / "m.safetensors"
+    save_file(every_dtype(), str(path))
+    monkeypatch.setattr(fast_read, "CHUNK_BYTES", 5)  # dozens of chunks, across tensor boundaries
+    with safe_open(str(path), framework="pt") as f:
+        expected = {name: f.get_tensor(name) for name in f.keys()}  # noqa: SIM118 (safe_open has no iterator)
+    for threads in (1, 4):
+        for names in (list(expected), ["c.f32", "e.i64"], ["h.empty"]):
+            got = fast_read.read_tensors(path, names, threads=threads)
+            assert list(got) == names
+            for name in names:
+                want = expected[name]
+                assert got[name].dtype == want.dtype and got[name].shape == want.shape, name
+                assert torch.equal(got[name].view(torch.uint8), want.view(torch.uint8)), (name, threads)
+
+
+def _file(tmp_path: Path, header: object, data: bytes = b"", length: int | None = None) -> Path:
+    raw = json.dumps(header).encode()
+    path = tmp_path / "bad.safetensors"
+    path.write_bytes(struct.pack("<Q", len(raw) if length is None else length) + raw + data)
+    return path
+
+
+@pytest.mark.parametrize(
+    ("header", "data", "length", "message"),
+    [
+        ({"w": {"dtype": "BF16", "shape": [2], "data_offsets": [0, 4]}}, b"\0" * 3, None, r"'w' .* spans bytes"),
+        ({"w": {"dtype": "BF16", "shape": [3], "data_offsets": [0, 4]}}, b"\0" * 4, None, r"its shape needs 6 bytes"),
+        ({"w": {"dtype": "Q4", "shape": [2], "data_offsets": [0, 2]}}, b"\0" * 2, None, r"'w' has dtype 'Q4'"),
+        ({"w": {"dtype": "F32", "shape": [-1], "data_offsets": [0, 4]}}, b"\0" * 4, None, r"'w' has shape \[-1\]"),
+        ({"w": {"dtype": "F32", "shape": [1]}}, b"\0" * 4, None, r"'w' has no dtype, shape and data_offsets"),
+        ({"w": {"dtype": "F32", "shape": [1], "data_offsets": [0, 4]}}, b"\0" * 4, 1 << 40, r"header of \d+ bytes"),
+        ([1, 2], b"", None, r"not a JSON object"),
+    ],
+    ids=["past-the-end", "shape-vs-span", "dtype", "shape", "keys", "header-length", "not-an-object"],
+)
+def test_a_malformed_file_is_refused_naming_it_and_the_tensor(tmp_path, header, data, length, message):
+    path = _file(tmp_path, header, data, length)
+    with pytest.raises(fast_read.CheckpointFileError, match=message) as caught:
+        fast_read.read_tensors(path, [])
+    assert str(path) in str(caught.value)
+
+
+def test_a_name_the_file_lacks_and_a_truncated_file_are_errors(tmp_path):
+    path = tmp_path / "m.safetensors"
+    save_file({"w": torch.ones(4)}, str(path))
+    with pytest.raises(fast_read.CheckpointFileError, match=r"no tensor \['v'\]"):
+        fast_read.read_tensors(path, ["v"])
+    path.write_bytes(path.read_bytes()[:-3])
+    with pytest.raises(fast_read.CheckpointFileError, match="spans bytes"):
+        fast_read.read_tensors(path, ["w"])
+
+
+def test_the_page_cache_is_warmed_by_one_process_per_node_and_only_within_the_memory_share(tmp_path, monkeypatch):
+    save_file({"w": torch.ones(1000)}, str(tmp_path / "m.safetensors"))
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    monkeypatch.setattr(fast_read, "_available_bytes", lambda: 1 << 30)
+    reads = []
+    real_open = open
+
+    def recording_open(file, *args, **kwargs):
+        reads.append(Path(file).name)
+        return real_open(file, *args, **kwargs)
+
+    monkeypatch.setattr("builtins.open", recording_open)
+    thread = fast_read.warm_page_cache(tmp_path)
+    thread.join(timeout=30)
+    assert not thread.is_alive() and reads == ["m.safetensors"]
+    monkeypatch.setattr(fast_read, "_available_bytes", lambda: 4000)  # 4000 * 0.5 < the file's 4 kB
+    assert fast_read.warm_page_cache(tmp_path) is None
+    monkeypatch.setattr(fast_read, "_available_bytes", lambda: 1 << 30)
+    monkeypatch.setenv("LOCAL_RANK", "3")  # another rank of the node: the page cache is shared
+    assert fast_read.warm_page_cache(tmp_path) is None
+
+
+# --- a model through the bridge ---------------------------------------------------------------------------------
+TINY_QWEN2 = dict(
+    vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+    num_key_value_heads=2, max_position_embeddings=128, tie_word_embeddings=False, torch_dtype="bfloat16",
+)  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def dense_dir(tmp_path_factory):
+    """A tiny Qwen2 saved in shards with an index (the reads span files)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(3)
+    model = Qwen2ForCausalLM(Qwen2Config(**TINY_QWEN2)).to(torch.bfloat16)
+    path = tmp_path_factory.mktemp("qwen2")
+    model.save_pretrained(path, max_shard_size="40KB")
+    vocab = {f"t{i}": i for i in range(TINY_QWEN2["vocab_size"])}
+    tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="t0"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
+    PreTrainedTokenizerFast(tokenizer_object=tokenizer, pad_token="t0", eos_token="t1").save_pretrained(path)
+    assert (path / "model.safetensors.index.json").exists() and len(list(path.glob("*.safetensors"))) > 2
+    return path
+
+
+@pytest.mark.usefixtures("cpu_megatron_harness")
+def test_the_engine_loads_a_dense_model_bit_identically_to_mbridges_loader(dense_dir):
+    from mbridge.core.bridge import Bridge
+
+    engine = cpu_engine(dense_dir)
+    bridge = engine.bridge
+    assert bridge.load_weights.func is fast_load.load_weights  # what the engine bound, and loaded with
+    assert bridge.export_weights.func is fast_export.export_weights  # and what it streams to the rollout with
+    gpt = gpt_of(engine)
+    ours = {name: t.detach().clone() for name, t in gpt.state_dict().items() if "_extra_state" not in name}
+    with torch.no_grad():
+        for p in gpt.parameters():
+            p.zero_()
+    Bridge.load_weights(bridge, engine.module, str(dense_dir))  # mbridge 0.15.1's own loader
+    theirs = {name: t for name, t in gpt.state_dict().items() if "_extra_state" not in name}
+    assert ours.keys() == theirs.keys()
+    differing = [n for n in ours if not torch.equal(ours[n].view(torch.uint8), theirs[n].view(torch.uint8))]
+    assert not differing
+    assert any(t.abs().sum() > 0 for t in theirs.values())
+
+
+def test_a_bridge_with_a_loader_of_its_own_keeps_it():
+    from mbridge.core.bridge import Bridge
+
+    class OwnLoader(Bridge):
+        def __init__(self):  # no config needed to decide
+            pass
+
+        def load_weights(self, models, weights_path, memory_efficient=False):
+            return "its own"
+
+    bridge = OwnLoader()
+    assert not fast_load.bind_to(bridge)
+    assert bridge.load_weights([], "") == "its own"

@@ -1,0 +1,239 @@
+"""Reading an HF safetensors checkpoint at the disk's rate: large reads on several threads, tensors as views.
+
+mbridge 0.15.1's ``SafeTensorIO.load_some_hf_weight`` opens each file with ``safe_open`` and copies the tensors out
+one by one from a memory map: page faults of one thread, 4 KiB at a time unless the kernel's readahead keeps up, and
+a copy of every byte. Measured on the nvidia-h200 (bench/rl_step.py, docs/rl_step.md): the HF load of a 3.1 GB
+model ran at 39% of that machine's sequential disk rate. Here each file's requested byte span is read with
+``os.preadv`` in chunks of ``CHUNK_BYTES`` by ``READ_THREADS`` threads straight into one host buffer, and every
+tensor is a view of that buffer (no second copy); a buffer is freed when its last tensor is.
+
+Every header is checked before a byte is trusted: its length, that it is JSON of tensor entries, a known dtype,
+offsets inside the file that match the shape and the dtype's size. A bad file is refused naming the file and the
+tensor. The values are the bytes on disk, exactly what ``safe_open`` gives (tests_npu/test_fast_load.py).
+
+:func:`warm_page_cache` reads the files once in the background from the engine's start, so that the disk works
+while the model is built (verl_npu/engine/verl_engine.py); the load then copies from the page cache.
+
+Remove when mbridge reads in large parallel chunks (its ``SafeTensorIO`` as of mbridge 0.15.1).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import json
+import logging
+import math
+import os
+import struct
+import threading
+from collections import defaultdict
+from collections.abc import Iterable
+from pathlib import Path
+
+import torch
+from mbridge.core.safetensor_io import SafeTensorIO
+
+logger = logging.getLogger(__name__)
+CHUNK_BYTES = 64 << 20
+READ_THREADS = 8
+MAX_HEADER_BYTES = 100 << 20  # safetensors' own limit
+DTYPES = {
+    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+    "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2, "I64": torch.int64, "I32": torch.int32,
+    "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8, "BOOL": torch.bool,
+}  # fmt: skip
+
+
+class CheckpointFileError(ValueError):
+    """A safetensors file that cannot be what it claims."""
+
+
+def read_header(path: str | os.PathLike) -> tuple[dict[str, dict], int]:
+    """(name -> {"dtype", "shape", "offsets"} checked against the file's size, the data section's start)."""
+    path = Path(path)
+    size = path.stat().st_size
+    with open(path, "rb") as f:
+        prefix = f.read(8)
+        if len(prefix) < 8:
+            raise CheckpointFileError(f"{path}: {size} bytes, shorter than a safetensors header length")
+        (length,) = struct.unpack("<Q", prefix)
+        if length > MAX_HEADER_BYTES or 8 + length > size:
+            raise CheckpointFileError(f"{path}: header of {length} bytes in a file of {size} bytes")
+        try:
+            header = json.loads(f.read(length))
+        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+            raise CheckpointFileError(f"{path}: the header is not JSON ({exc})") from None
+    if not isinstance(header, dict):
+        raise CheckpointFileError(f"{path}: the header is not a JSON object")
+    start, data = 8 + length, size - 8 - length
+    tensors = {}
+    for name, entry in header.items():
+        if name == "__metadata__":
+            continue
+        tensors[name] = _checked_entry(path, name, entry, data)
+    return tensors, start
+
+
+def _checked_entry(path: Path, name: str, entry: object, data: int) -> dict:
+    if not isinstance(entry, dict) or not {"dtype", "shape", "data_offsets"} <= entry.keys():
+        raise CheckpointFileError(f"{path}: tensor {name!r} has no dtype, shape and data_offsets")
+    dtype = DTYPES.get(entry["dtype"])
+    if dtype is None:
+        raise CheckpointFileError(f"{path}: tensor {name!r} has dtype {entry['dtype']!r}; known: {', '.join(DTYPES)}")
+    shape, offsets = entry["shape"], entry["data_offsets"]
+    if not (isinstance(shape, list) and all(type(d) is int and d >= 0 for d in shape)):
+        raise CheckpointFileError(f"{path}: tensor {name!r} has shape {shape!r}")
+    if not (isinstance(offsets, list) and len(offsets) == 2 and all(type(o) is int for o in offsets)):
+        raise CheckpointFileError(f"{path}: tensor {name!r} has data_offsets {offsets!r}")
+    begin, end = offsets
+    expected = math.prod(shape) * dtype.itemsize
+    if not 0 <= begin <= end <= data or end - begin != expected:
+        raise CheckpointFileError(
+            f"{path}: tensor {name!r} ({entry['dtype']} {shape}) spans bytes [{begin}, {end}) of a {data}-byte data "
+            f"section; its shape needs {expected} bytes"
+        )
+    return {"dtype": dtype, "shape": shape, "offsets": (begin, end)}
+
+
+def _read_span(path: Path, start: int, nbytes: int, threads: int) -> torch.Tensor:
+    """Bytes [start, start + nbytes) of ``path`` in one uint8 tensor, read in parallel chunks."""
+    buffer = torch.empty(nbytes, dtype=torch.uint8)
+    if nbytes == 0:
+        return buffer
+    view = memoryview(buffer.numpy())
+    fd = os.open(path, os.O_RDONLY)
+    try:
+
+        def read_chunk(offset: int) -> None:
+            end = min(offset + CHUNK_BYTES, nbytes)
+            while offset < end:
+                got = os.preadv(fd, [view[offset:end]], start + offset)
+                if got == 0:
+                    raise CheckpointFileError(f"{path}: ended at byte {start + offset}, expected {start + nbytes}")
+                offset += got
+
+        chunks = range(0, nbytes, CHUNK_BYTES)
+        if len(chunks) == 1 or threads <= 1:
+            for offset in chunks:
+                read_chunk(offset)
+        else:
+            with concurrent.futures.ThreadPoolExecutor(max_workers=min(threads, len(chunks))) as pool:
+                list(pool.map(read_chunk, chunks))
+    finally:
+        os.close(fd)
+    return buffer
+
+
+def read_tensors(path: str | os.PathLike, names: Iterable[str], threads: int = READ_THREADS) -> dict[str, torch.Tensor]:
+    """The named tensors of one safetensors file, as views of one buffer holding the span that covers them."""
+    path = Path(path)
+    entries, start = read_header(path)
+    wanted = list(dict.fromkeys(names))
+    missing = [n for n in wanted if n not in entries]
+    if missing:
+        raise CheckpointFileError(f"{path}: no tensor {missing[:5]}{' ...' if len(missing) > 5 else ''}")
+    if not wanted:
+        return {}
+    first = min(entries[n]["offsets"][0] for n in wanted)
+    last = max(entries[n]["offsets"][1] for n in wanted)
+    buffer = _read_span(path, start + first, last - first, threads)
+    out = {}
+    for name in wanted:
+        entry = entries[name]
+        begin, end = entry["offsets"]
+        raw = buffer[begin - first : end - first]
+        if (begin - first) % entry["dtype"].itemsize:
+            raw = raw.clone()  # safetensors does not promise aligned tensors; a view must be
+        out[name] = raw.view(entry["dtype"]).view(entry["shape"])
+    return out
+
+
+def file_of_each_name(hf_dir: str | os.PathLike, index: dict[str, str] | None) -> dict[str, str]:
+    """name -> file name, from the index's weight map, else from every ``*.safetensors`` file's header."""
+    if index:
+        return dict(index)
+    out = {}
+    for file in sorted(Path(hf_dir).glob("*.safetensors")):
+        for name in read_header(file)[0]:
+            out.setdefault(name, file.name)
+    return out
+
+
+class ParallelSafeTensorIO(SafeTensorIO):
+    """mbridge's reader, with ``load_some_hf_weight`` through :func:`read_tensors`: the files at once, each name
+    once, the files' own headers where there is no index."""
+
+    def file_of_name(self) -> dict[str, str]:
+        cached = self.__dict__.get("_file_of_name")
+        if cached is None:
+            cached = self.__dict__["_file_of_name"] = file_of_each_name(self.hf_dir, self.index)
+        return cached
+
+    def load_some_hf_weight(self, hf_weight_names: list[str]) -> dict:
+        return read_as_stored(self, hf_weight_names)
+
+
+def read_as_stored(reader: SafeTensorIO, names: Iterable[str]) -> dict[str, torch.Tensor]:
+    """The named tensors of ``reader``'s checkpoint as stored (FP8 codes stay codes): every file at once, each on
+    its share of READ_THREADS."""
+    file_of = ParallelSafeTensorIO.file_of_name(reader)
+    by_file: dict[str, list[str]] = defaultdict(list)
+    missing = []
+    for name in dict.fromkeys(names):
+        (by_file[file_of[name]] if name in file_of else missing).append(name)
+    if missing:
+        raise ValueError(f"Weights {missing[:5]} not found in safetensors files in {reader.hf_dir}")
+    if not by_file:
+        return {}
+    threads = max(1, READ_THREADS // len(by_file))
+    out: dict[str, torch.Tensor] = {}
+    with concurrent.futures.ThreadPoolExecutor(max_workers=min(len(by_file), READ_THREADS)) as pool:
+        files = [pool.submit(read_tensors, os.path.join(reader.hf_dir, f), ns, threads) for f, ns in by_file.items()]
+        for done in files:
+            out.update(done.result())
+    return out
+
+
+WARM_SHARE_OF_AVAILABLE = 0.5  # warm the page cache only with a checkpoint smaller than this share of free RAM
+
+
+def _available_bytes() -> int | None:
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
+
+
+def warm_page_cache(hf_dir: str | os.PathLike) -> threading.Thread | None:
+    """Read the checkpoint's ``*.safetensors`` files once in the background, so that the load that follows the model's
+    build finds them in the page cache: the build and the disk then overlap. One process per node does it (the page
+    cache is the node's: ``LOCAL_RANK`` 0, or a process without one), and only for a checkpoint under
+    WARM_SHARE_OF_AVAILABLE of the memory available (a larger one would evict itself). None where it does not."""
+    if os.environ.get("LOCAL_RANK", "0") != "0":
+        return None
+    files = sorted(Path(hf_dir).glob("*.safetensors"))
+    total = sum(f.stat().st_size for f in files)
+    available = _available_bytes()
+    if not files or available is None or total > WARM_SHARE_OF_AVAILABLE * available:
+        logger.info("verl-npu: checkpoint %s (%d bytes) not pre-read: %s available", hf_dir, total, available)
+        return None
+
+    def read_all() -> None:
+        buffer = bytearray(CHUNK_BYTES)
+        view = memoryview(buffer)
+        for file in files:
+            try:
+                with open(file, "rb", buffering=0) as f:
+                    while f.readinto(view):
+                        pass
+            except OSError as exc:  # the load reports a real problem with the file; this is only a hint
+                logger.info("verl-npu: pre-reading %s stopped: %s", file, exc)
+                return
+
+    thread = threading.Thread(target=read_all, name="verl-npu-warm-checkpoint", daemon=True)
+    thread.start()
+    return thread

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import collections
 import os
-import traceback
 from pathlib import Path
 from typing import Any
 
@@ -170,16 +169,6 @@ def main(rank: int, world: int, port: int, workdir: Path) -> None:
 
 
 if __name__ == "__main__":
-    import argparse
+    from support.gloo_ranks import rank_entry
 
-    parser = argparse.ArgumentParser()
-    parser.add_argument("rank", type=int)
-    parser.add_argument("world", type=int)
-    parser.add_argument("port", type=int)
-    parser.add_argument("workdir", type=Path)
-    args = parser.parse_args()
-    try:
-        main(args.rank, args.world, args.port, args.workdir)
-    except Exception:
-        (args.workdir / f"rank{args.rank}-of-{args.world}.error").write_text(traceback.format_exc())
-        raise
+    rank_entry(lambda a: main(a.rank, a.world, a.port, a.workdir))

@@ -6,10 +6,13 @@ The script takes ``RANK WORLD PORT WORKDIR [flags...]`` and writes ``WORKDIR/ran
 
 from __future__ import annotations
 
+import argparse
 import socket
 import subprocess
 import sys
 import time
+import traceback
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -48,3 +51,23 @@ def run_ranks(script: Path, workdir: Path, world: int, *flags: str, timeout: flo
         else:
             results[rank] = {"error": f"rank {rank} left no result:\n{proc.stdout.read()[-3000:]}"}
     return results
+
+
+def rank_entry(
+    main: Callable[[argparse.Namespace], None], add_flags: Callable[[argparse.ArgumentParser], None] | None = None
+) -> None:
+    """A rank script's ``__main__``: parse ``RANK WORLD PORT WORKDIR`` (and the script's flags), run ``main(args)``,
+    and leave the traceback as ``WORKDIR/rank<R>-of-<WORLD>.error`` when it raises (run_ranks stops the others)."""
+    parser = argparse.ArgumentParser()
+    parser.add_argument("rank", type=int)
+    parser.add_argument("world", type=int)
+    parser.add_argument("port", type=int)
+    parser.add_argument("workdir", type=Path)
+    if add_flags is not None:
+        add_flags(parser)
+    args = parser.parse_args()
+    try:
+        main(args)
+    except Exception:
+        (args.workdir / f"rank{args.rank}-of-{args.world}.error").write_text(traceback.format_exc())
+        raise

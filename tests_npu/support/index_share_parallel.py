@@ -21,7 +21,6 @@ from __future__ import annotations
 import os
 import re
 import sys
-import traceback
 from pathlib import Path
 
 import torch
@@ -166,25 +165,18 @@ def main(
     dist.destroy_process_group()
 
 
-if __name__ == "__main__":
-    import argparse
-
-    parser = argparse.ArgumentParser()
-    parser.add_argument("rank", type=int)
-    parser.add_argument("world", type=int)
-    parser.add_argument("port", type=int)
-    parser.add_argument("workdir", type=Path)
+def _flags(parser) -> None:
     parser.add_argument("--tp", type=int, default=1)
     parser.add_argument("--ep", type=int, default=1)
     parser.add_argument("--sp", action="store_true")
     parser.add_argument("--no-carry", dest="carry", action="store_false")
     parser.add_argument("--stale-carry", dest="stale", action="store_true")
-    args = parser.parse_args()
-    try:
-        main(
-            args.rank, args.world, args.port, args.workdir, tp=args.tp, ep=args.ep, sp=args.sp, carry=args.carry,
-            stale=args.stale,
-        )  # fmt: skip
-    except Exception:
-        (args.workdir / f"rank{args.rank}-of-{args.world}.error").write_text(traceback.format_exc())
-        raise
+
+
+if __name__ == "__main__":
+    from support.gloo_ranks import rank_entry
+
+    rank_entry(
+        lambda a: main(a.rank, a.world, a.port, a.workdir, tp=a.tp, ep=a.ep, sp=a.sp, carry=a.carry, stale=a.stale),
+        _flags,
+    )

@@ -50,6 +50,7 @@ gives verl's class). Our process sets ``VERL_ENGINE_DEVICE=npu VERL_ENGINE_VENDO
 
 ``--fp8`` is GLM-5 only (mbridge's Qwen2 bridge has no FP8 reader); the model it saves is the dequantised bf16 one
 (verl_npu/engine/bridges/hf_save.py). ``--no-transitions`` leaves out the four offload/onload phases.
+``--verl-first`` runs verl's engine first (the JSON's ``order``).
 ``--save-contents none`` leaves out both checkpoint phases (what a 64 GiB disk
 allows for GLM-5 with its optimizer).
 
@@ -725,6 +726,11 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--checkpoint", type=Path, default=None, help="an HF checkpoint rl_step_models.py wrote")
     parser.add_argument("--without-driver", action="store_true", help="stand in for verl's driver stack")
     parser.add_argument(
+        "--verl-first",
+        action="store_true",
+        help="run verl's engine before ours (the disk and page cache each meets depend on the order)",
+    )
+    parser.add_argument(
         "--no-transitions",
         action="store_true",
         help="leave out offload and onload (their host copies of GLM-5's optimizer take minutes)",
@@ -789,7 +795,8 @@ def main(argv: list[str] | None = None) -> int:
     spec_path = work / "spec.json"
     spec_path.write_text(json.dumps(spec, indent=2) + "\n")
     engines = {}
-    for engine in ENGINES:
+    order = ENGINES[::-1] if args.verl_first else ENGINES
+    for engine in order:
         engines[engine] = run_child(engine, spec_path, work, args.timeout)
         shutil.rmtree(work / f"{engine}_checkpoint", ignore_errors=True)  # measured: its bytes are in the record
     result = {
@@ -801,6 +808,7 @@ def main(argv: list[str] | None = None) -> int:
             "checkpoint_files": len(files), "written_seconds": written_seconds, "config": config,
         },
         "sizes": {k: spec[k] for k in ("seq", "micro_batch_size", "micro_batches", "bucket_mb", "save_contents")},
+        "order": list(order),
         "limits": limits, "engines": engines,
         "compare": compare(engines, work, None if args.fp8 else checkpoint_digest(files)),
     }  # fmt: skip

@@ -75,6 +75,7 @@ def test_every_phase_is_timed_for_both_engines_with_its_bytes(bench):
         assert moved == {state["params"] + state["optimizer"]} and state["grads"] > 0  # gradients are not copied
         assert phases["save"]["bytes"] == phases["checkpoint_load"]["bytes"]
     assert "checkpoint_load" in stdout and "ours/verl speed" in stdout  # the table
+    assert result["order"] == ["ours", "verl"]  # --verl-first reverses it
     assert set(result["compare"]["speed_ours_over_verl"]) == set(BYTE_PHASES + TOKEN_PHASES)
 
 

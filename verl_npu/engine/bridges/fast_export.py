@@ -130,13 +130,8 @@ def _to_hf(bridge: Any, name: str, tensor: torch.Tensor) -> Iterator[tuple[str, 
         return
     merged = tensor
     if getattr(tensor, "tensor_model_parallel", False):
-        shards = [tensor]
-        if mpu.tp_size > 1:
-            shards = [torch.empty_like(tensor) for _ in range(mpu.tp_size)]
-            torch.distributed.all_gather(shards, tensor, group=mpu.tp_group)
-        merged = bridge._weight_merge_across_tp(name, shards, tensor)
-    hf_names, hf_tensors = bridge._weight_to_hf_format(name, merged)
-    yield from zip(hf_names, hf_tensors, strict=False)  # mbridge's zip: the shorter list decides
+        merged = bridge._weight_merge_across_tp(name, _gathered(tensor, mpu.tp_size, mpu.tp_group), tensor)
+    yield from _hf_pairs(bridge, name, merged)
 
 
 def _experts_to_hf(bridge: Any, name: str, tensor: torch.Tensor) -> Iterator[tuple[str, torch.Tensor]]:
@@ -144,18 +139,25 @@ def _experts_to_hf(bridge: Any, name: str, tensor: torch.Tensor) -> Iterator[tup
     expert TP."""
     mpu = bridge.mpu
     per_rank = bridge.config.num_moe_experts // mpu.ep_size
-    same_expert_every_rank = [torch.empty_like(tensor) for _ in range(mpu.ep_size)]
-    torch.distributed.all_gather(same_expert_every_rank, tensor, group=mpu.ep_group)
     prefix, local_id = name.split(".weight")  # TE's grouped-expert name: ...linear_fc1.weight<local id>
-    for ep_rank, expert in enumerate(same_expert_every_rank):
+    for ep_rank, expert in enumerate(_gathered(tensor, mpu.ep_size, mpu.ep_group)):
         expert_name = f"{prefix}.weight{per_rank * ep_rank + int(local_id)}"
-        shards = [expert]
-        if mpu.etp_size > 1:
-            shards = [torch.empty_like(expert) for _ in range(mpu.etp_size)]
-            torch.distributed.all_gather(shards, expert, group=mpu.etp_group)
-        merged = bridge._weight_merge_across_tp(expert_name, shards, tensor)
-        hf_names, hf_tensors = bridge._weight_to_hf_format(expert_name, merged)
-        yield from zip(hf_names, hf_tensors, strict=False)
+        merged = bridge._weight_merge_across_tp(expert_name, _gathered(expert, mpu.etp_size, mpu.etp_group), tensor)
+        yield from _hf_pairs(bridge, expert_name, merged)
+
+
+def _gathered(tensor: torch.Tensor, size: int, group: Any) -> list[torch.Tensor]:
+    """Every rank's ``tensor`` of ``group`` (of ``size`` ranks), in rank order; no collective for one rank."""
+    if size <= 1:
+        return [tensor]
+    shards = [torch.empty_like(tensor) for _ in range(size)]
+    torch.distributed.all_gather(shards, tensor, group=group)
+    return shards
+
+
+def _hf_pairs(bridge: Any, name: str, merged: torch.Tensor) -> Iterator[tuple[str, torch.Tensor]]:
+    hf_names, hf_tensors = bridge._weight_to_hf_format(name, merged)
+    yield from zip(hf_names, hf_tensors, strict=False)  # mbridge's zip: the shorter list decides
 
 
 def bind_to(bridge: Any) -> bool:

@@ -30,7 +30,7 @@ import logging
 import torch
 from mbridge.core.safetensor_io import SafeTensorIO
 
-from verl_npu.engine.bridges.fast_read import ParallelSafeTensorIO, read_as_stored
+from verl_npu.engine.bridges.fast_read import ParallelSafeTensorIO, file_of_name, read_as_stored
 from verl_npu.engine.bridges.fp8_safetensors import SCALE_SUFFIX, BlockFP8SafeTensorIO, dequantize
 
 logger = logging.getLogger(__name__)
@@ -46,7 +46,7 @@ def takes(reader: object) -> bool:
 def read_for_device(reader: SafeTensorIO, names: list[str]) -> dict[str, torch.Tensor]:
     """The named tensors as stored, with the block scales of FP8 ones where ``reader`` dequantises (to_device)."""
     if isinstance(reader, BlockFP8SafeTensorIO):
-        known = ParallelSafeTensorIO.file_of_name(reader)
+        known = file_of_name(reader)
         names = [*names, *(n + SCALE_SUFFIX for n in names if n + SCALE_SUFFIX in known)]
     return read_as_stored(reader, names)
 

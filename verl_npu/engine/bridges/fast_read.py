@@ -163,20 +163,22 @@ class ParallelSafeTensorIO(SafeTensorIO):
     """mbridge's reader, with ``load_some_hf_weight`` through :func:`read_tensors`: the files at once, each name
     once, the files' own headers where there is no index."""
 
-    def file_of_name(self) -> dict[str, str]:
-        cached = self.__dict__.get("_file_of_name")
-        if cached is None:
-            cached = self.__dict__["_file_of_name"] = file_of_each_name(self.hf_dir, self.index)
-        return cached
-
     def load_some_hf_weight(self, hf_weight_names: list[str]) -> dict:
         return read_as_stored(self, hf_weight_names)
+
+
+def file_of_name(reader: SafeTensorIO) -> dict[str, str]:
+    """name -> file of ``reader``'s checkpoint (any mbridge reader), worked out once per reader."""
+    cached = reader.__dict__.get("_file_of_name")
+    if cached is None:
+        cached = reader.__dict__["_file_of_name"] = file_of_each_name(reader.hf_dir, reader.index)
+    return cached
 
 
 def read_as_stored(reader: SafeTensorIO, names: Iterable[str]) -> dict[str, torch.Tensor]:
     """The named tensors of ``reader``'s checkpoint as stored (FP8 codes stay codes): every file at once, each on
     its share of READ_THREADS."""
-    file_of = ParallelSafeTensorIO.file_of_name(reader)
+    file_of = file_of_name(reader)
     by_file: dict[str, list[str]] = defaultdict(list)
     missing = []
     for name in dict.fromkeys(names):

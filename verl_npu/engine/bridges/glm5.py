@@ -381,19 +381,14 @@ class GLM5Bridge(DeepseekV3Bridge):
             if _LOCAL_EXPERT.search(local)
         }
         hf_names = {local: self._weight_name_mapping_mcore_to_hf(name) for local, name in names.items()}
-        reader = self.safetensor_io
-        on_device = fast_load.takes(reader)  # as stored, FP8 dequantised on the device (fast_load.to_device)
         loaded = {}
-        if self.mpu.etp_rank == 0:
-            wanted = [n for ns in hf_names.values() for n in ns]
-            loaded = fast_load.read_for_device(reader, wanted) if on_device else reader.load_some_hf_weight(wanted)
+        if self.mpu.etp_rank == 0:  # as stored (the bridge's readers are fast_load's), FP8 dequantised on the device
+            loaded = fast_load.read_for_device(self.safetensor_io, [n for ns in hf_names.values() for n in ns])
         state = model.state_dict()
         for local, name in names.items():
             param, shards = state[local], None
             if self.mpu.etp_rank == 0:
-                tensors = [
-                    fast_load.to_device(n, loaded, param.device) if on_device else loaded[n] for n in hf_names[local]
-                ]
+                tensors = [fast_load.to_device(n, loaded, param.device) for n in hf_names[local]]
                 weight = self._weight_to_mcore_format(name, tensors)
                 split = self._weight_split_across_tp(name, weight, param, self.mpu.etp_size)  # TE-style name
                 shards = [t.to(param.device, dtype=param.dtype).contiguous() for t in split]

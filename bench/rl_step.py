@@ -65,13 +65,16 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import cProfile
 import datetime as dt
 import functools
 import hashlib
 import importlib.util
 import json
+import logging
 import os
 import platform
+import pstats
 import shutil
 import subprocess
 import sys
@@ -203,8 +206,8 @@ def measure_limits(files: list[Path], device: str, copy_bytes: int, work: Path, 
 class Recorder:
     """Phase timings of one engine; the phase running when it fails is kept for the parent."""
 
-    def __init__(self, device: str, out: Path):
-        self.device, self.out = device, out
+    def __init__(self, device: str, out: Path, profiled: tuple[str, ...] = ()):
+        self.device, self.out, self.profiled = device, out, profiled
         self.result: dict[str, Any] = {"phases": {}, "failed_phase": None}
 
     @contextlib.contextmanager
@@ -212,11 +215,17 @@ class Recorder:
         record: dict[str, Any] = dict(facts)
         self.result["failed_phase"] = name
         self.write()
+        profiler = cProfile.Profile() if name in self.profiled else None
         synchronize(self.device)
         started = time.perf_counter()
+        if profiler:
+            profiler.enable()
         yield record
         synchronize(self.device)
         record["seconds"] = time.perf_counter() - started
+        if profiler:
+            profiler.disable()
+            record["profile"] = profile_summary(profiler)
         if record.get("bytes"):
             record["gb_per_s"] = record["bytes"] / record["seconds"] / GB
         self.result["phases"][name] = record
@@ -225,6 +234,30 @@ class Recorder:
 
     def write(self) -> None:
         self.out.write_text(json.dumps(self.result, indent=2, sort_keys=True, default=str) + "\n")
+
+
+PROFILE_ROWS = 40
+
+
+def profile_summary(profiler: cProfile.Profile, rows: int = PROFILE_ROWS) -> dict[str, list[dict[str, Any]]]:
+    """The phase's main-thread functions by cumulative and by own time (cProfile: threads and child processes are
+    seen only where the main thread waits for them)."""
+    stats = pstats.Stats(profiler).stats  # (file, line, function) -> (primitive calls, calls, own s, cumulative s, _)
+
+    def where(key: tuple[str, int, str]) -> str:
+        file, line, function = key
+        for marker in ("site-packages/", "/verl_npu/", "/bench/"):
+            if marker in file:
+                file = file.split(marker, 1)[1]
+                break
+        return f"{file}:{line}({function})"
+
+    def top(column: int) -> list[dict[str, Any]]:
+        ranked = sorted(stats.items(), key=lambda item: item[1][column], reverse=True)[:rows]
+        return [{"function": where(key), "calls": calls, "own_s": round(own, 4), "cumulative_s": round(cum, 4)}
+                for key, (_, calls, own, cum, _) in ranked]  # fmt: skip
+
+    return {"by_cumulative": top(3), "by_own": top(2)}
 
 
 class _UnpinnedOnTheCpu(TorchFunctionMode):
@@ -401,6 +434,8 @@ def _log_probs(engine: Any, td: Any) -> Any:
 def _setup(engine_kind: str, spec: dict[str, Any]) -> dict[str, Any]:
     """Device, process group, the verl-npu layer (ours, and verl's on GLM-5), verl's engine module."""
     facts: dict[str, Any] = {}
+    logging.basicConfig(format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    logging.getLogger("verl_npu").setLevel(logging.INFO)  # the child's log: the load's read and pre-read times
     if engine_kind == "ours":
         os.environ.update(VERL_ENGINE_DEVICE="npu", VERL_ENGINE_VENDOR="huawei")
     else:
@@ -434,7 +469,7 @@ def _setup(engine_kind: str, spec: dict[str, Any]) -> dict[str, Any]:
 def run_engine(engine_kind: str, spec: dict[str, Any], out: Path) -> None:
     import torch
 
-    recorder = Recorder(spec["device"], out)
+    recorder = Recorder(spec["device"], out, tuple(spec.get("profile", ())))
     recorder.result.update(engine=engine_kind, failed_phase="setup")
     recorder.write()
     recorder.result.update(_setup(engine_kind, spec))
@@ -735,6 +770,11 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
         action="store_true",
         help="leave out offload and onload (their host copies of GLM-5's optimizer take minutes)",
     )
+    parser.add_argument(
+        "--profile", type=lambda text: [p for p in text.split(",") if p], default=[],
+        help="comma-separated phases to run under cProfile (the JSON keeps each one's top functions; the profiler "
+        "slows Python-bound phases)",
+    )  # fmt: skip
     parser.add_argument("--timeout", type=float, default=3600, help="seconds per engine")
     parser.add_argument("--child", choices=ENGINES, help=argparse.SUPPRESS)
     parser.add_argument("--spec", type=Path, help=argparse.SUPPRESS)
@@ -752,6 +792,11 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
         value = getattr(args, key)
         if value is not None and value <= 0:
             parser.error(f"--{key.replace('_', '-')} {value}: give a positive number")
+    phases = {"load", "old_log_prob", "ref_log_prob", "train", "export", "export_again", "offload", "onload",
+              "offload_again", "onload_again", "save", "checkpoint_load"}  # fmt: skip
+    if set(args.profile) - phases:
+        parser.error(f"--profile {','.join(args.profile)}: {sorted(set(args.profile) - phases)} are not phases; "
+                     f"choose from {', '.join(sorted(phases))}")  # fmt: skip
     unknown = set(args.save_contents.split(",")) - {"model", "optimizer", "extra", "hf_model", "none"}
     if unknown:
         parser.error(f"--save-contents {args.save_contents}: {sorted(unknown)} are not verl's (model, optimizer, "
@@ -789,7 +834,7 @@ def main(argv: list[str] | None = None) -> int:
         "work": str(work), "vocab_size": config["vocab_size"], "seq": args.seq or (32 if args.tiny else 2048),
         "micro_batch_size": args.micro_batch_size or (2 if args.tiny else 1), "micro_batches": args.micro_batches,
         "bucket_mb": args.bucket_mb, "save_contents": save_contents, "without_driver": args.without_driver,
-        "transitions": not args.no_transitions,
+        "transitions": not args.no_transitions, "profile": args.profile,
 
     }  # fmt: skip
     spec_path = work / "spec.json"
@@ -808,7 +853,7 @@ def main(argv: list[str] | None = None) -> int:
             "checkpoint_files": len(files), "written_seconds": written_seconds, "config": config,
         },
         "sizes": {k: spec[k] for k in ("seq", "micro_batch_size", "micro_batches", "bucket_mb", "save_contents")},
-        "order": list(order),
+        "order": list(order), "profiled": args.profile,
         "limits": limits, "engines": engines,
         "compare": compare(engines, work, None if args.fp8 else checkpoint_digest(files)),
     }  # fmt: skip

@@ -8,6 +8,7 @@ tests_npu/test_glm5_2_bridge.py; bench/rl_step.py checks both engines' exports a
 from __future__ import annotations
 
 import json
+import os
 import struct
 from pathlib import Path
 
@@ -92,19 +93,24 @@ def test_a_name_the_file_lacks_and_a_truncated_file_are_errors(tmp_path):
 
 def test_the_page_cache_is_warmed_by_one_process_per_node_and_only_within_the_memory_share(tmp_path, monkeypatch):
     save_file({"w": torch.ones(1000)}, str(tmp_path / "m.safetensors"))
+    save_file({"v": torch.ones(300)}, str(tmp_path / "n.safetensors"))
     monkeypatch.setenv("LOCAL_RANK", "0")
     monkeypatch.setattr(fast_read, "_available_bytes", lambda: 1 << 30)
+    monkeypatch.setattr(fast_read, "CHUNK_BYTES", 1024)  # several chunks per file, several readers
     reads = []
-    real_open = open
+    real_preadv = os.preadv
 
-    def recording_open(file, *args, **kwargs):
-        reads.append(Path(file).name)
-        return real_open(file, *args, **kwargs)
+    def recording_preadv(fd, buffers, offset):
+        reads.append((Path(os.readlink(f"/proc/self/fd/{fd}")).name, offset))
+        return real_preadv(fd, buffers, offset)
 
-    monkeypatch.setattr("builtins.open", recording_open)
+    monkeypatch.setattr(os, "preadv", recording_preadv)
     thread = fast_read.warm_page_cache(tmp_path)
     thread.join(timeout=30)
-    assert not thread.is_alive() and reads == ["m.safetensors"]
+    expected = [
+        (f.name, offset) for f in sorted(tmp_path.glob("*.safetensors")) for offset in range(0, f.stat().st_size, 1024)
+    ]
+    assert not thread.is_alive() and sorted(reads) == expected  # every chunk of every file, each once
     monkeypatch.setattr(fast_read, "_available_bytes", lambda: 4000)  # 4000 * 0.5 < the file's 4 kB
     assert fast_read.warm_page_cache(tmp_path) is None
     monkeypatch.setattr(fast_read, "_available_bytes", lambda: 1 << 30)

@@ -51,7 +51,7 @@ def run_bench(tmp: Path, *extra: str) -> subprocess.CompletedProcess:
 @pytest.fixture(scope="module")
 def bench(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("rl_step")
-    done = run_bench(tmp)
+    done = run_bench(tmp, "--profile", "save")
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-5000:]
     return json.loads((tmp / "out.json").read_text()), tmp / "work", done.stdout
 
@@ -165,6 +165,23 @@ def test_bad_arguments_are_refused_with_the_fix():
     done = subprocess.run([sys.executable, str(BENCH), "--model", "dense", "--fp8", "--out", "x.json"],
                           capture_output=True, text=True, timeout=120, check=False)  # fmt: skip
     assert done.returncode == 2 and "use --model glm5" in done.stderr
+    done = subprocess.run([sys.executable, str(BENCH), "--model", "dense", "--profile", "save,lod", "--out", "x.json"],
+                          capture_output=True, text=True, timeout=120, check=False)  # fmt: skip
+    assert done.returncode == 2 and "['lod'] are not phases" in done.stderr and "checkpoint_load" in done.stderr
+
+
+def test_a_profiled_phase_names_where_its_time_went(bench):
+    result, _, _ = bench
+    assert result["profiled"] == ["save"]
+    for engine in ("ours", "verl"):
+        phases = result["engines"][engine]["phases"]
+        profile = phases["save"]["profile"]
+        functions = [row["function"] for row in profile["by_cumulative"]]
+        # the save's own call is in it, and no row is worth more than the phase
+        assert any("save_checkpoint" in f for f in functions), functions
+        assert all(0 <= row["cumulative_s"] <= phases["save"]["seconds"] * 1.01 for row in profile["by_cumulative"])
+        assert 10 <= len(profile["by_own"]) <= 40  # PROFILE_ROWS
+        assert "profile" not in phases["load"]  # only what was asked
 
 
 # --- the checkpoint writer -------------------------------------------------------------------------------------------

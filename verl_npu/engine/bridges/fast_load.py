@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import time
 
 import torch
 from mbridge.core.safetensor_io import SafeTensorIO
@@ -89,7 +90,9 @@ def load_weights(bridge, models: list[torch.nn.Module], weights_path: str, memor
                 readers_of[local] = mpu.tp_rank == 0 or "lm_head.weight" in hf_names
         names = list(dict.fromkeys(n for local, hf in local_to_hf.items() if readers_of[local] for n in hf))
         read_here = set(names)
+        started = time.perf_counter()
         raw = read_for_device(reader, names)
+        read_seconds = time.perf_counter() - started
         state = model.state_dict()
         for local, hf_names in local_to_hf.items():
             param = state[local]
@@ -116,6 +119,8 @@ def load_weights(bridge, models: list[torch.nn.Module], weights_path: str, memor
             source = torch.distributed.get_global_rank(group, 0)
             torch.distributed.scatter(received, shards, src=source, group=group)
             param.copy_(received)
+        logger.info("verl-npu: read %d bytes in %.2f s, loaded in %.2f s more", sum(t.nbytes for t in raw.values()),
+                    read_seconds, time.perf_counter() - started - read_seconds)  # fmt: skip
         del raw, state
 
 

@@ -26,6 +26,7 @@ import math
 import os
 import struct
 import threading
+import time
 from collections import defaultdict
 from collections.abc import Iterable
 from pathlib import Path
@@ -36,6 +37,7 @@ from mbridge.core.safetensor_io import SafeTensorIO
 logger = logging.getLogger(__name__)
 CHUNK_BYTES = 64 << 20
 READ_THREADS = 8
+WARM_THREADS = 4  # reads in flight while the page cache is warmed
 MAX_HEADER_BYTES = 100 << 20  # safetensors' own limit
 DTYPES = {
     "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
@@ -211,8 +213,9 @@ def _available_bytes() -> int | None:
 
 
 def warm_page_cache(hf_dir: str | os.PathLike) -> threading.Thread | None:
-    """Read the checkpoint's ``*.safetensors`` files once in the background, so that the load that follows the model's
-    build finds them in the page cache: the build and the disk then overlap. One process per node does it (the page
+    """Read the checkpoint's ``*.safetensors`` files once in the background (WARM_THREADS reads in flight, in file
+    order), so that the load that follows the model's build finds them in the page cache: the build and the disk then
+    overlap. One process per node does it (the page
     cache is the node's: ``LOCAL_RANK`` 0, or a process without one), and only for a checkpoint under
     WARM_SHARE_OF_AVAILABLE of the memory available (a larger one would evict itself). None where it does not."""
     if os.environ.get("LOCAL_RANK", "0") != "0":
@@ -224,17 +227,36 @@ def warm_page_cache(hf_dir: str | os.PathLike) -> threading.Thread | None:
         logger.info("verl-npu: checkpoint %s (%d bytes) not pre-read: %s available", hf_dir, total, available)
         return None
 
-    def read_all() -> None:
+    chunks = iter([(file, offset) for file in files for offset in range(0, file.stat().st_size, CHUNK_BYTES)])
+    next_chunk = threading.Lock()
+    started = time.perf_counter()
+
+    def read_chunks() -> None:
+        # several reads in flight, in file order: one sequential reader leaves a parallel disk or filesystem idle
         buffer = bytearray(CHUNK_BYTES)
         view = memoryview(buffer)
-        for file in files:
+        while True:
+            with next_chunk:
+                file, offset = next(chunks, (None, 0))
+            if file is None:
+                return
             try:
-                with open(file, "rb", buffering=0) as f:
-                    while f.readinto(view):
-                        pass
+                fd = os.open(file, os.O_RDONLY)
+                try:
+                    os.preadv(fd, [view], offset)
+                finally:
+                    os.close(fd)
             except OSError as exc:  # the load reports a real problem with the file; this is only a hint
                 logger.info("verl-npu: pre-reading %s stopped: %s", file, exc)
                 return
+
+    def read_all() -> None:
+        with concurrent.futures.ThreadPoolExecutor(WARM_THREADS, thread_name_prefix="verl-npu-warm") as pool:
+            for reader in [pool.submit(read_chunks) for _ in range(WARM_THREADS)]:
+                reader.result()
+        seconds = time.perf_counter() - started
+        logger.info("verl-npu: pre-read %s (%d bytes) in %.2f s, %.2f GB/s", hf_dir, total, seconds,
+                    total / max(seconds, 1e-9) / 1e9)  # fmt: skip
 
     thread = threading.Thread(target=read_all, name="verl-npu-warm-checkpoint", daemon=True)
     thread.start()

@@ -7,7 +7,10 @@ layout matters; the pinned variants run in test_offload_accel.py and test_offloa
 
 from __future__ import annotations
 
+import ctypes
 import logging
+import os
+import signal
 
 import pytest
 import torch
@@ -267,3 +270,25 @@ def test_a_plain_tensor_set_round_trips_every_kind(arena):
     manager.onload(KINDS)
     assert all(torch.equal(a, b) for a, b in zip(before, offload_tensors.fingerprint(module, optimizer), strict=True))
     manager.close()
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="fork() is POSIX")
+def test_pages_marked_dontfork_are_absent_from_a_forked_child_and_back_once_unmarked():
+    """What the registered arena's MADV_DONTFORK does (a child reading the arena dies; unmarked, it reads it)."""
+    from verl_npu.engine.offload import MADV_DOFORK, MADV_DONTFORK, madvise_pages
+
+    memory = torch.full((1 << 24,), 7, dtype=torch.uint8)
+    middle = memory.data_ptr() + memory.nbytes // 2
+
+    def child_reads() -> int:
+        pid = os.fork()
+        if pid == 0:
+            os._exit(ctypes.string_at(middle, 1)[0])  # 7 where the page is mapped; SIGSEGV where it is not
+        return os.waitpid(pid, 0)[1]
+
+    assert madvise_pages(memory, MADV_DONTFORK)
+    status = child_reads()
+    assert os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGSEGV
+    assert madvise_pages(memory, MADV_DOFORK)
+    status = child_reads()
+    assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 7

@@ -9,6 +9,7 @@ whether the state is offloaded or was never offloaded.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 
@@ -201,3 +202,34 @@ def test_checkpoint_save_while_offloaded_or_never_offloaded_restores_and_resumes
     fresh.load_checkpoint(str(tmp_path / "ckpt"))
     assert offloaded(fresh)
     assert [train_step(fresh, step) for step in (1, 2)] == after_save
+
+
+def test_a_save_stages_in_the_offload_arenas_and_writes_the_same_files(model_dir, tmp_path, monkeypatch):
+    from verl_npu.engine import save_staging
+
+    engine = new_engine(model_dir, offload=True)
+    train_step(engine, 0)
+    seen = []
+    staged_in = save_staging.staged_in
+
+    @contextlib.contextmanager
+    def recording(regions):
+        with staged_in(regions) as stats:
+            yield stats
+        seen.append((sum(r.nbytes for r in regions), stats))
+
+    monkeypatch.setattr(save_staging, "staged_in", recording)
+    engine.save_checkpoint(str(tmp_path / "staged"), global_step=1)
+    monkeypatch.setattr(type(engine), "_idle_host_regions", lambda self: [])  # megatron's own copies
+    engine.save_checkpoint(str(tmp_path / "megatron"), global_step=1)
+    (arena_bytes, staged), (_, unstaged) = seen
+    state = engine._offload_manager
+    assert arena_bytes == state.host_bytes() > 0 and unstaged.staged_tensors == 0
+    # the optimizer's tensors (main parameters, moments) all fit in the arenas they are offloaded to
+    assert staged.staged_bytes >= state._arena_bytes("optimizer") // 2 and staged.megatron_bytes == 0
+    assert offloaded(engine)
+    written = sorted((tmp_path / "megatron").rglob("*.distcp"))
+    assert {f.relative_to(tmp_path / "megatron").parts[0] for f in written} == {"optimizer", "extra"}
+    for saved in written:
+        twin = tmp_path / "staged" / saved.relative_to(tmp_path / "megatron")
+        assert twin.read_bytes() == saved.read_bytes(), saved

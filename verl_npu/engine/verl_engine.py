@@ -20,7 +20,7 @@ from verl.workers.engine.base import EngineRegistry
 from verl.workers.engine.megatron import MegatronEngineWithLMHead, MegatronEngineWithValueHead
 
 from verl_npu import platform as _platform
-from verl_npu.engine import build, router_replay
+from verl_npu.engine import build, router_replay, save_staging
 from verl_npu.engine.bridges import fast_export, fast_load, fast_read
 from verl_npu.engine.build_plan import build_plan
 from verl_npu.engine.offload import OffloadManager
@@ -106,13 +106,20 @@ class NPUMegatronEngineMixin:
             raise ValueError(f"verl-npu engine: cannot move state to {device!r}; use 'cpu' or {get_device_name()!r}")
 
     def save_checkpoint(self, local_path, hdfs_path=None, global_step=0, max_ckpt_to_keep=None, **kwargs):
-        with self._resident(["params", "optimizer"]):
+        with self._resident(["params", "optimizer"]), save_staging.staged_in(self._idle_host_regions()):
             if self.optimizer is not None:
                 ensure_torch_adam_state(self.optimizer)  # a save before the first step
             self.checkpoint_mananager.save_checkpoint(
                 local_path=local_path, hdfs_path=hdfs_path, global_step=global_step, max_ckpt_to_keep=max_ckpt_to_keep
             )
             torch.distributed.barrier()
+
+    def _idle_host_regions(self) -> list[torch.Tensor]:
+        """Host arenas a synchronous save may stage in (the state is resident for the save, so all of them)."""
+        config = self.checkpoint_mananager.checkpoint_config
+        if self._offload_manager is None or (config and config.get("async_save", False)):
+            return []  # an async save writes after returning, while the next offload fills the arenas again
+        return self._offload_manager.idle_host_regions(["params", "optimizer"])
 
     def load_checkpoint(self, local_path, hdfs_path=None, del_local_after_load=True, **kwargs):
         # Loading writes into the device storages; leaving ``resident`` copies the loaded values

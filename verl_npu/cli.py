@@ -142,9 +142,11 @@ def cmd_preflight(args: argparse.Namespace) -> int:
     from verl_npu.preflight.launch import LaunchError
     from verl_npu.preflight.pipeline import host_memory
     from verl_npu.preflight.report import output_path, plot, print_report, write_json
+    from verl_npu.preflight.startup import read_rate
 
     # the options first, before any work: a bad one is exit 2 with nothing written
     host_memory_gib = host_memory(args.host_memory_gib)
+    checkpoint_read_gbps = read_rate(args.checkpoint_read_gbps)
     json_path = output_path("--json", args.json) if args.json not in (None, "-") else None
     plot_path = output_path("--plot", args.plot, plot=True) if args.plot is not None else None
 
@@ -171,6 +173,7 @@ def cmd_preflight(args: argparse.Namespace) -> int:
             model_config=args.model_config,
             host_memory_gib=host_memory_gib,
             use_cache=not args.no_cache,
+            checkpoint_read_gbps=checkpoint_read_gbps,
         )
     except (LaunchError, ValueError) as exc:
         print(f"verl-npu preflight: {exc}", file=sys.stderr)
@@ -409,6 +412,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--chip", choices=("a2", "a3"), default="a3", help="device memory per NPU from the manifest")
     p.add_argument("--model-config", metavar="PATH|ID|glm5", help="HF config.json, model dir, cached id, or glm5")
     p.add_argument("--host-memory-gib", metavar="GIB", help="host RAM per node to check against (> 0)")
+    p.add_argument(
+        "--checkpoint-read-gbps",
+        metavar="GBPS",
+        help="GB/s one node reads the checkpoint's storage at (> 0): estimates the load and the HCCL timeouts it needs",
+    )
     p.add_argument("--json", metavar="FILE", help="also write the report as JSON ('-': JSON on stdout only)")
     p.add_argument("--plot", metavar="FILE.png", help="stacked HBM bar per pipeline stage")
     p.add_argument("--no-cache", action="store_true", help="recompute verl's validation and the model config")

@@ -8,7 +8,9 @@ divide or an out-of-memory. Preflight answers before it queues, on any machine (
 2. ``config_check``: the overrides composed with verl's own Hydra config, then verl's validation
    and the engine's build plan;
 3. ``mesh``: the device mesh of every role;
-4. ``memory``: HBM per device per pipeline stage and host RAM per node.
+4. ``memory``: HBM per device per pipeline stage and host RAM per node;
+5. ``startup``: the checkpoint bytes each node loads, the load's time at the nodes' read rate, and the HCCL
+   timeouts it needs (docs/preflight_startup.md).
 
 ``pipeline`` runs them in that order (:func:`run_preflight`); ``report`` holds the result type and its output.
 """

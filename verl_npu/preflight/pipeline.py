@@ -69,6 +69,7 @@ class _Request:
     model_config: str | None
     env: Mapping[str, str]
     host_memory_gib: float | None
+    checkpoint_read_gbps: float | None = None  # --checkpoint-read-gbps: the nodes' disk rate (GB/s)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -91,12 +92,18 @@ def run_preflight(
     platform: str | None = None,
     host_memory_gib: float | None = None,
     use_cache: bool = True,
+    checkpoint_read_gbps: float | None = None,
 ) -> PreflightReport:
     """Every check on one launch: a script (``extra`` are its "$@") or, without a script, overrides.
 
-    ``host_memory_gib``: host RAM per node (> 0; None: not checked). Raises a UserError for a bad option or launch.
+    ``host_memory_gib``: host RAM per node (> 0; None: not checked); ``checkpoint_read_gbps``: the rate a node reads
+    the checkpoint at, GB/s (> 0; None: sampled from a local checkpoint, else the start-up is not estimated). Raises
+    a UserError for a bad option or launch.
     """
+    from verl_npu.preflight.startup import read_rate
+
     host_memory_gib = host_memory(host_memory_gib)
+    checkpoint_read_gbps = read_rate(checkpoint_read_gbps)
     launch, source = read_launch(script, extra, dict(env or {}))
     report = PreflightReport(source, chip, launch_checks(launch), list(launch.overrides))
     composition = composition_of(report, launch) if launch.module is not None else None
@@ -105,7 +112,7 @@ def run_preflight(
         return report
     worker = start_worker(script, composition, model_config, use_cache)  # first: its imports are the critical path
     try:
-        request = _Request(target(chip, platform), model_config, dict(env or {}), host_memory_gib)
+        request = _Request(target(chip, platform), model_config, dict(env or {}), host_memory_gib, checkpoint_read_gbps)
         _check(report, launch, composition, worker, request)
     finally:
         worker.cancel()
@@ -153,6 +160,7 @@ def _check(
         _prefetch()
     hf = validate(report, worker, config, compose_checks, model_path, request.model_config, position)
     if hf is None:
+        report.checks += timeout_ranges(launch_env)
         return
     stand_in = report.model_origin in (FROM_BESIDE_SCRIPT, FROM_NAME)  # the model path's name is evidence too
     platform = request.target.platform
@@ -160,6 +168,7 @@ def _check(
     report.checks += router_replay_checks(resolved, hf, launch_env, platform)
     shape = model_shape(report, hf)
     if values is None or shape is None:
+        report.checks += timeout_ranges(launch_env)
         report.checks.append(
             Check(
                 "config.not-computed",
@@ -183,6 +192,11 @@ def _check(
         )
     elif actor_mesh is not None and "actor" in plans:
         memory(report, values, shape, actor_mesh, plans["actor"], request, rollout_host, resolved)
+    if values.actor is not None and actor_mesh is not None:
+        startup(report, values, shape, hf, actor_mesh, request, checkpoint_dir(model_path, request.model_config),
+                launch_env)  # fmt: skip
+    else:  # the loader modelled is the Megatron engine's: the values are still range-checked
+        report.checks += timeout_ranges(launch_env)
 
 
 def _prefetch() -> None:
@@ -361,3 +375,51 @@ def memory(
     report.memory, checks = estimate_launch(values, shape, actor_mesh, plan, request.target, request.host_memory_gib,
                                             rollout_host_bytes_per_node, resolved)  # fmt: skip
     report.checks += checks
+
+
+def checkpoint_dir(model_path: str | None, model_config: str | None) -> str | None:
+    """The HF checkpoint directory on this machine: the launch's model path, else --model-config's directory."""
+    from verl_npu.bounded_read import NotReadable, expand_user
+    from verl_npu.preflight import unknowns
+
+    for candidate in (model_path, model_config):
+        if not isinstance(candidate, str) or unknowns.contains(candidate):
+            continue
+        try:
+            if (path := expand_user(candidate)).is_dir():
+                return str(path)
+        except (NotReadable, OSError, ValueError):
+            continue
+    return None
+
+
+def timeout_ranges(env: Mapping[str, str]) -> list[Check]:
+    """HCCL_CONNECT_TIMEOUT / HCCL_EXEC_TIMEOUT range-checked where there is no start-up estimate to compare with."""
+    from verl_npu.preflight.startup import timeout_checks
+
+    return timeout_checks(None, env)
+
+
+def startup(
+    report: PreflightReport,
+    values: LaunchValues,
+    shape: ModelShape,
+    hf: Mapping[str, Any],
+    actor_mesh: TrainMesh,
+    request: _Request,
+    checkpoint: str | None,
+    env: Mapping[str, str],
+) -> None:
+    """The checkpoint bytes each node loads at start-up, the load's time, and the HCCL timeouts it needs."""
+    from verl_npu.preflight.startup import estimate_startup, timeout_checks
+
+    report.startup, checks = estimate_startup(
+        shape,
+        hf,
+        actor_mesh,
+        values.n_gpus_per_node,
+        read_gbps=request.checkpoint_read_gbps,
+        host_memory_gib=request.host_memory_gib,
+        checkpoint_dir=checkpoint,
+    )
+    report.checks += checks + timeout_checks(report.startup, env)

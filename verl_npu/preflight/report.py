@@ -25,6 +25,7 @@ class PreflightReport:
     memory: Any = None  # verl_npu.preflight.memory.MemoryEstimate
     rollout: Any = None  # verl_npu.preflight.rollout.RolloutEstimate
     model_origin: str | None = None  # FROM_MODEL_CONFIG, FROM_MODEL_PATH, FROM_BESIDE_SCRIPT or FROM_NAME
+    startup: Any = None  # verl_npu.preflight.startup.StartupEstimate
 
     @property
     def verdict(self) -> str:
@@ -42,6 +43,7 @@ class PreflightReport:
             "model_origin": self.model_origin,
             "memory": self.memory.to_dict() if self.memory is not None else None,
             "rollout": self.rollout.to_dict() if self.rollout is not None else None,
+            "startup": self.startup.to_dict() if self.startup is not None else None,
         }
 
 
@@ -117,11 +119,48 @@ def _carry_caption(stages) -> str:
     return text + "; top-k sent per micro-batch: " + ", ".join(f"{st}->{st + 1} {mib(n)}" for st, n in sends)
 
 
+def startup_table(report: PreflightReport) -> Table | None:
+    """The start-up estimate: what the busiest node reads, at what rate, and the HCCL timeouts it needs."""
+    from rich.table import Table
+
+    from verl_npu.preflight import startup as s
+
+    e = report.startup
+    if e is None:
+        return None
+    table = Table(title="Start-up: the HF checkpoint load (docs/preflight_startup.md)")
+    table.add_column("quantity", overflow="fold")
+    table.add_column("value", overflow="fold")
+    rows = [
+        ("checkpoint", f"{e.checkpoint_bytes / s.GB:,.1f} GB, {e.storage} ({e.checkpoint_source})"),
+        ("nodes", f"{e.nodes} x {e.ranks_per_node} ranks"),
+        (
+            "busiest node's shards",
+            f"node {e.busiest.node} (stages {list(e.busiest.stages)}): {e.shard_bytes / s.GB:,.1f} GB",
+        ),
+        ("rule", e.rule_reason),
+        ("read per node", f"{e.node_bytes / s.GB:,.1f} GB"),
+        ("disk rate", "unknown" if e.read_gbps is None else f"{e.read_gbps:g} GB/s ({e.rate_source})"),
+        ("engine's share of it", f"{s.ENGINE_SHARE_OF_DISK_RATE} (measured on the nvidia-h200)"),
+    ]
+    if e.read_gbps is not None:
+        rows += [
+            ("load per node", f"{e.load_seconds():,.0f} s"),
+            (
+                "minimum HCCL timeouts",
+                f"{e.minimum_timeout()} s = {s.SAFETY_FACTOR:g} x load + {s.BUILD_ALLOWANCE_S} s build allowance",
+            ),
+        ]
+    for name, value in rows:
+        table.add_row(name, value)
+    return table
+
+
 def print_report(report: PreflightReport, console: Console) -> None:
     console.print(checks_table(report))
-    table = memory_table(report)
-    if table is not None:
-        console.print(table)
+    for table in (memory_table(report), startup_table(report)):
+        if table is not None:
+            console.print(table)
     if report.verdict == "go":
         console.print("[bold green]GO[/]: the launch is valid and fits")
     else:

@@ -177,3 +177,27 @@ def test_a_bridge_with_a_loader_of_its_own_keeps_it():
     bridge = OwnLoader()
     assert not fast_load.bind_to(bridge)
     assert bridge.load_weights([], "") == "its own"
+
+
+@pytest.mark.parametrize(
+    ("layout", "whole"),
+    [
+        ({}, True),
+        ({"get_pipeline_model_parallel_world_size": 2}, False),  # a stage's layers only
+        ({"get_expert_model_parallel_world_size": 4}, False),  # its EP rank's experts only
+        ({"get_tensor_model_parallel_rank": 1}, False),  # TP rank 0 reads and scatters
+        ({"get_expert_tensor_parallel_rank": 1}, False),
+    ],
+)
+def test_the_engine_warms_the_page_cache_only_where_the_process_loads_the_whole_checkpoint(monkeypatch, layout, whole):
+    from megatron.core import parallel_state as mpu
+
+    from verl_npu.engine.verl_engine import loads_whole_checkpoint
+
+    single = {
+        "get_pipeline_model_parallel_world_size": 1, "get_expert_model_parallel_world_size": 1,
+        "get_tensor_model_parallel_rank": 0, "get_expert_tensor_parallel_rank": 0,
+    }  # fmt: skip
+    for name, value in {**single, **layout}.items():
+        monkeypatch.setattr(mpu, name, lambda value=value: value)
+    assert loads_whole_checkpoint() is whole

@@ -30,6 +30,19 @@ logger = logging.getLogger(__name__)
 DEVICE, VENDOR = "npu", "huawei"
 
 
+def loads_whole_checkpoint() -> bool:
+    """Whether this process reads every tensor of the HF checkpoint itself: one pipeline stage, no expert
+    parallelism, and rank 0 of its tensor and expert-tensor groups (fast_load's rule of who reads what)."""
+    from megatron.core import parallel_state as mpu
+
+    return (
+        mpu.get_pipeline_model_parallel_world_size() == 1
+        and mpu.get_expert_model_parallel_world_size() == 1
+        and mpu.get_tensor_model_parallel_rank() == 0
+        and mpu.get_expert_tensor_parallel_rank() == 0
+    )
+
+
 class NPUMegatronEngineMixin:
     """Build plan before the model is built; the offload manager behind ``to()`` and checkpoints.
 
@@ -51,9 +64,11 @@ class NPUMegatronEngineMixin:
         )
         build.enter_mindspeed(self.build_plan)
         logger.info("verl-npu engine build plan: %s", self.build_plan)
-        if not self.engine_config.use_dist_checkpointing:  # the HF checkpoint is read once the model is built
-            fast_read.warm_page_cache(self.model_config.local_path)
         super()._init_device_mesh()
+        # the HF checkpoint is read once the model is built: meanwhile the disk warms the page cache, where this
+        # process reads all of it anyway (pre-reading more than the node loads would multiply the storage's traffic)
+        if not self.engine_config.use_dist_checkpointing and loads_whole_checkpoint():
+            fast_read.warm_page_cache(self.model_config.local_path)
 
     def _build_tf_config(self):
         super()._build_tf_config()

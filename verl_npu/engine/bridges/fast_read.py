@@ -217,7 +217,8 @@ def warm_page_cache(hf_dir: str | os.PathLike) -> threading.Thread | None:
     order), so that the load that follows the model's build finds them in the page cache: the build and the disk then
     overlap. One process per node does it (the page
     cache is the node's: ``LOCAL_RANK`` 0, or a process without one), and only for a checkpoint under
-    WARM_SHARE_OF_AVAILABLE of the memory available (a larger one would evict itself). None where it does not."""
+    WARM_SHARE_OF_AVAILABLE of the memory available (a larger one would evict itself); the engine asks only where
+    that process loads the whole checkpoint itself (verl_engine.loads_whole_checkpoint). None where it does not."""
     if os.environ.get("LOCAL_RANK", "0") != "0":
         return None
     files = sorted(Path(hf_dir).glob("*.safetensors"))

@@ -18,8 +18,9 @@ is a method verl's trainer calls on an engine:
   synchronise, when the next tensor does not fit; a tensor larger than the bucket goes on its own); the time at
   each hand-off is recorded. The IPC to vLLM is not run (the device has no vLLM). ``export_again`` is the same on
   the next step (verl caches its conversion tasks after the first);
-- ``save``, ``checkpoint_load``: ``engine.save_checkpoint`` / ``engine.load_checkpoint`` (its files evicted from
-  the page cache before the load);
+- ``save``, ``checkpoint_load``, ``save_again``: ``engine.save_checkpoint`` / ``engine.load_checkpoint`` (its
+  files evicted from the page cache before the load), then the next step's save (the first pays what a process pays
+  once: megatron's write-results manager process, torch's first pinned blocks);
 - ``offload``, ``onload``: ``engine.to("cpu")`` / ``engine.to(<device>)`` of parameters, gradients and optimizer,
   the first time (an engine may allocate its host buffers then); ``offload_again``, ``onload_again``: the next
   step's, as every later step pays them.
@@ -50,7 +51,9 @@ gives verl's class). Our process sets ``VERL_ENGINE_DEVICE=npu VERL_ENGINE_VENDO
 
 ``--fp8`` is GLM-5 only (mbridge's Qwen2 bridge has no FP8 reader); the model it saves is the dequantised bf16 one
 (verl_npu/engine/bridges/hf_save.py). ``--no-transitions`` leaves out the four offload/onload phases.
-``--verl-first`` runs verl's engine first (the JSON's ``order``).
+``--verl-first`` runs verl's engine first (the JSON's ``order``). ``--profile save,load`` runs those phases under
+cProfile and keeps each one's top functions in the JSON (the profiler slows Python-bound phases: time them
+without it).
 ``--save-contents none`` leaves out both checkpoint phases (what a 64 GiB disk
 allows for GLM-5 with its optimizer).
 

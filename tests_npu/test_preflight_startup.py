@@ -1,8 +1,9 @@
 """Preflight's start-up estimate: the checkpoint bytes each node loads, the read rate, the HCCL timeouts it needs.
 
-Hand-computed byte counts for a dense model and for the GLM-5.2 example's layout, the page-cache warm-up rule, FP8
-block checkpoints, a local safetensors checkpoint counted from its index and headers, every verdict on both sides of
-its limit, bad option and environment values, and the CLI on the example (docs/preflight_startup.md).
+Hand-computed byte counts for a dense model and for the GLM-5.2 example's layout, where the engine's page-cache
+warm-up runs (it adds no bytes), FP8 block checkpoints, a local safetensors checkpoint counted from its index and
+headers, every verdict on both sides of its limit, bad option and environment values, and the CLI on the example
+(docs/preflight_startup.md).
 """
 
 from __future__ import annotations
@@ -24,9 +25,6 @@ from verl_npu.preflight.model_shape import ModelShape
 from verl_npu.preflight.startup import (
     ENGINE_SHARE_OF_DISK_RATE,
     GB,
-    SHARDS,
-    UNKNOWN_RAM,
-    WARM,
     WARM_SHARE_OF_AVAILABLE,
     CheckpointError,
     NodeRead,
@@ -36,10 +34,10 @@ from verl_npu.preflight.startup import (
     local_checkpoint,
     model_bytes,
     node_reads,
+    pre_reading_nodes,
     read_rate,
     sample_read_rate,
     timeout_checks,
-    warm_up_rule,
 )
 
 REPO = Path(__file__).resolve().parent.parent
@@ -122,25 +120,33 @@ def test_fp8_block_checkpoints_store_projections_as_one_byte_and_a_scale_per_128
         Storage.of({"quantization_config": {"quant_method": "fp8", "weight_block_size": 128}})
 
 
-# --- the warm-up rule ------------------------------------------------------------------------------------------
-def test_the_warm_up_reads_the_whole_checkpoint_only_under_half_the_nodes_ram():
-    gib = 2**30
-    assert warm_up_rule(100 * gib, 200)[0] == WARM  # exactly half: fast_read warms (total > half skips)
-    assert warm_up_rule(100 * gib + 1, 200)[0] == SHARDS
-    assert warm_up_rule(100 * gib, None)[0] == UNKNOWN_RAM
+# --- the page-cache warm-up -----------------------------------------------------------------------------------
+def test_the_glm5_2_example_reads_its_ranks_shards_and_the_warm_up_never_runs(glm52):
+    estimate, checks = estimate_startup(glm52, {}, glm52_mesh(), 16, read_gbps=1.0, checkpoint_dir=None)
+    assert estimate.shard_bytes == 52_461_735_424 and estimate.checkpoint_bytes == 1_486_754_001_408
+    assert estimate.pre_read_nodes == 0 and estimate.reads == "the union of its ranks' shards"  # PP 8, EP 64
+    assert estimate.minimum_timeout() == 224  # ceil(2 x 52.46 GB / 0.64 GB/s + 60)
+    load = next(c for c in checks if c.check == "startup.load")
+    assert "each node reads the union of its ranks' shards; node 4 (stages [1]) reads the most, 52.5 GB" in load.detail
+    assert "52.5 GB at 1 GB/s x 0.64" in load.detail and "= 224 s" in load.detail
 
 
-def test_the_rule_switches_the_glm5_2_examples_bytes_per_node(glm52):
-    def estimate(host_gib):
-        return estimate_startup(glm52, {}, glm52_mesh(), 16, read_gbps=1.0, host_memory_gib=host_gib,
-                                checkpoint_dir=None)[0]  # fmt: skip
-
-    shards, warm, unknown = estimate(1500), estimate(3000), estimate(None)
-    assert shards.rule == SHARDS and shards.node_bytes == 52_461_735_424
-    assert warm.rule == WARM and warm.node_bytes == warm.checkpoint_bytes == 1_486_754_001_408
-    assert unknown.rule == UNKNOWN_RAM and unknown.node_bytes == warm.checkpoint_bytes
-    assert shards.minimum_timeout() == 224  # ceil(2 x 52.46 GB / 0.64 GB/s + 60)
-    assert "over 0.5 x 1500 GiB" in shards.rule_reason and "under 0.5 x 3000 GiB" in warm.rule_reason
+def test_the_warm_up_runs_where_local_rank_0_loads_the_whole_checkpoint_and_adds_no_bytes(dense):
+    parts = model_bytes(dense, BF16)
+    one_stage = mesh(16, tp=2)  # PP 1, EP 1: each node's LOCAL_RANK 0 is TP rank 0 of the only stage
+    assert pre_reading_nodes(one_stage, 8) == 2
+    assert [r.bytes for r in node_reads(dense, parts, one_stage, 8)] == [parts.total] * 2  # whole, warm-up or not
+    assert pre_reading_nodes(mesh(16, tp=16), 8) == 1  # node 1's LOCAL_RANK 0 is TP rank 8: it loads lm_head only
+    assert pre_reading_nodes(mesh(16, tp=2, etp=4), 2) == 4  # expert-TP rank 0 as well: ranks 0, 4, 8, 12
+    assert pre_reading_nodes(mesh(16, tp=2, pp=2), 8) == pre_reading_nodes(mesh(16, tp=2, ep=2), 8) == 0
+    estimate = estimate_startup(dense, {}, one_stage, 8, read_gbps=1.0, checkpoint_dir=None)[0]
+    assert estimate.shard_bytes == estimate.checkpoint_bytes == round(parts.total)
+    assert estimate.reads == (
+        "the union of its ranks' shards; PP=1 and EP=1: on the 2 of 2 node(s) whose LOCAL_RANK 0 loads the whole "
+        "checkpoint, the engine pre-reads it into the page cache during the build (when it is under 0.5 of "
+        "MemAvailable), overlapping the read with the build: the bytes are the same"
+    )
+    assert estimate.to_dict()["reads"] == estimate.reads and estimate.to_dict()["pre_read_nodes"] == 2
 
 
 def test_the_constants_are_the_engines_measured_ones():
@@ -184,7 +190,7 @@ def test_a_broken_local_checkpoint_is_named_and_the_shape_counts_instead(tmp_pat
     (tmp_path / "junk" / "x.safetensors").write_bytes(b"\x05\x00\x00\x00\x00\x00\x00\x00{nope")
     with pytest.raises(CheckpointError, match=r"x\.safetensors: the header is not JSON"):
         local_checkpoint(tmp_path / "junk")
-    estimate, checks = estimate_startup(dense, {}, mesh(2), 2, read_gbps=1.0, host_memory_gib=None,
+    estimate, checks = estimate_startup(dense, {}, mesh(2), 2, read_gbps=1.0,
                                         checkpoint_dir=str(tmp_path / "junk"))  # fmt: skip
     assert (checks[0].check, checks[0].status) == ("startup.checkpoint", WARN)
     assert estimate.checkpoint_bytes == round(model_bytes(dense, BF16).total)
@@ -193,7 +199,7 @@ def test_a_broken_local_checkpoint_is_named_and_the_shape_counts_instead(tmp_pat
 def test_a_local_checkpoints_real_bytes_are_shared_out_as_the_shape_shares_them(tmp_path, dense):
     parts = model_bytes(dense, BF16)
     write_checkpoint(tmp_path / "ckpt", {"metadata": {"total_size": round(2 * parts.total)}})
-    estimate = estimate_startup(dense, {}, mesh(8, tp=2, pp=2), 4, read_gbps=1.0, host_memory_gib=None,
+    estimate = estimate_startup(dense, {}, mesh(8, tp=2, pp=2), 4, read_gbps=1.0,
                                 checkpoint_dir=str(tmp_path / "ckpt"))[0]  # fmt: skip
     assert estimate.checkpoint_bytes == round(2 * parts.total) and "metadata.total_size" in estimate.checkpoint_source
     assert estimate.shard_bytes == round(2 * 2 * (2 * DENSE_LAYER_PARAMS + 64 + EMBEDDING_PARAMS))
@@ -201,7 +207,7 @@ def test_a_local_checkpoints_real_bytes_are_shared_out_as_the_shape_shares_them(
 
 def test_without_the_flag_a_local_checkpoint_is_sampled_cold_on_this_host(tmp_path, dense):
     write_checkpoint(tmp_path / "ckpt")
-    estimate, checks = estimate_startup(dense, {}, mesh(2), 2, read_gbps=None, host_memory_gib=None,
+    estimate, checks = estimate_startup(dense, {}, mesh(2), 2, read_gbps=None,
                                         checkpoint_dir=str(tmp_path / "ckpt"))  # fmt: skip
     rate = next(c for c in checks if c.check == "startup.read-rate")
     assert estimate.read_gbps > 0 and "sampled on this host" in rate.detail and "one.safetensors" in rate.detail
@@ -213,7 +219,7 @@ def test_without_the_flag_a_local_checkpoint_is_sampled_cold_on_this_host(tmp_pa
 
 
 def test_without_the_flag_or_a_local_checkpoint_the_rate_is_unknown_and_no_minimum_is_guessed(dense):
-    estimate, checks = estimate_startup(dense, {}, mesh(2), 2, read_gbps=None, host_memory_gib=None,
+    estimate, checks = estimate_startup(dense, {}, mesh(2), 2, read_gbps=None,
                                         checkpoint_dir=None)  # fmt: skip
     rate = next(c for c in checks if c.check == "startup.read-rate")
     assert rate.status == WARN and "unknown" in rate.detail and "--checkpoint-read-gbps" in rate.fix
@@ -230,19 +236,18 @@ def test_a_bad_read_rate_is_refused_naming_the_option(bad):
 
 def test_an_implausible_read_rate_warns_and_a_plausible_one_is_quoted(dense):
     assert read_rate("1.5") == 1.5 and read_rate(None) is None
-    checks = estimate_startup(dense, {}, mesh(2), 2, read_gbps=60.0, host_memory_gib=None, checkpoint_dir=None)[1]
+    checks = estimate_startup(dense, {}, mesh(2), 2, read_gbps=60.0, checkpoint_dir=None)[1]
     assert [(c.check, c.status) for c in checks] == [("startup.read-rate", WARN), ("startup.load", OK)]
     assert "60 GB/s is above" in checks[0].detail
-    checks = estimate_startup(dense, {}, mesh(2), 2, read_gbps=50.0, host_memory_gib=None, checkpoint_dir=None)[1]
+    checks = estimate_startup(dense, {}, mesh(2), 2, read_gbps=50.0, checkpoint_dir=None)[1]
     assert checks[0].status == OK and "--checkpoint-read-gbps 50" in checks[0].detail
 
 
 # --- the timeouts ----------------------------------------------------------------------------------------------
-def fixed(load_s: float = 100.0, rule: str = SHARDS, whole_load_s: float | None = None) -> StartupEstimate:
+def fixed(load_s: float = 100.0) -> StartupEstimate:
     """An estimate whose busiest node loads for ``load_s`` at 1 GB/s: minimum ceil(2 x load_s + 60)."""
     shard = round(load_s * GB * ENGINE_SHARE_OF_DISK_RATE)
-    whole = round((whole_load_s or load_s) * GB * ENGINE_SHARE_OF_DISK_RATE)
-    return StartupEstimate(2, 8, "bf16", whole, "test", NodeRead(0, (0,), shard), rule, "test", 1.0, "test")
+    return StartupEstimate(2, 8, "bf16", 2 * shard, "test", NodeRead(0, (0,), shard), 0, 1.0, "test")
 
 
 def verdicts(estimate, **env) -> dict[str, tuple[str, str]]:
@@ -292,14 +297,6 @@ def test_a_minimum_above_7200_s_fails_the_connect_timeout_whatever_its_value():
     assert found["hccl-exec-timeout"][0] == OK
 
 
-def test_between_the_two_minima_an_undecided_warm_up_is_a_warning_not_a_failure():
-    estimate = fixed(load_s=100, rule=UNKNOWN_RAM, whole_load_s=1000)  # minima 260 (shards), 2060 (whole)
-    assert verdicts(estimate, HCCL_CONNECT_TIMEOUT="1000")["hccl-connect-timeout"][0] == WARN
-    assert "--host-memory-gib" in verdicts(estimate, HCCL_CONNECT_TIMEOUT="1000")["hccl-connect-timeout"][1]
-    assert verdicts(estimate, HCCL_CONNECT_TIMEOUT="200")["hccl-connect-timeout"][0] == FAIL
-    assert verdicts(estimate, HCCL_CONNECT_TIMEOUT="2060")["hccl-connect-timeout"][0] == OK
-
-
 @pytest.mark.parametrize("bad", ["7200.5", "-1", "abc", "\u0661\u0662\u0660", "", "1e3", "100"])
 def test_bad_timeout_values_fail_naming_the_variable_with_or_without_an_estimate(bad):
     for estimate in (fixed(), None):
@@ -321,15 +318,18 @@ def test_cli_on_the_example_quotes_the_estimate_and_the_rates(capsys):
     report = json.loads(capsys.readouterr().out)
     assert code == 0 and report["verdict"] == "go"
     startup = report["startup"]
-    assert (startup["rule"], startup["node_bytes"], startup["read_gbps"]) == (SHARDS, 52_461_735_424, 0.1)
+    assert (startup["shard_bytes_per_node"], startup["read_gbps"]) == (52_461_735_424, 0.1)
+    assert (startup["reads"], startup["pre_read_nodes"]) == ("the union of its ranks' shards", 0)
+    assert not {"rule", "rule_reason", "node_bytes", "minimum_timeout_s_without_warm_up"} & set(startup)
     assert startup["minimum_timeout_s"] == 1700  # ceil(2 x 52.46 GB / (0.1 x 0.64 GB/s) + 60)
     found = {c["check"]: c for c in report["checks"] if c["check"].startswith("startup.")}
     assert found["startup.hccl-connect-timeout"]["status"] == OK
     assert found["startup.hccl-exec-timeout"]["detail"].startswith("HCCL_EXEC_TIMEOUT=7200 s covers the 1700 s")
 
-    assert main(["preflight", str(LAUNCH), "--host-memory-gib", "1500", "--checkpoint-read-gbps", "0.1"]) == 0
+    assert main(["preflight", str(LAUNCH), "--checkpoint-read-gbps", "0.1"]) == 0  # the node's RAM changes nothing
     table = " ".join(capsys.readouterr().out.split())
     assert "Start-up: the HF checkpoint load" in table and "0.1 GB/s" in table and "0.64" in table
+    assert "the union of its ranks' shards" in table and "(stages [1]): 52.5 GB" in table
     assert "1700 s = 2 x load + 60 s build allowance" in table
 
 

@@ -419,7 +419,6 @@ def startup(
         actor_mesh,
         values.n_gpus_per_node,
         read_gbps=request.checkpoint_read_gbps,
-        host_memory_gib=request.host_memory_gib,
         checkpoint_dir=checkpoint,
     )
     report.checks += checks + timeout_checks(report.startup, env)

@@ -134,12 +134,11 @@ def startup_table(report: PreflightReport) -> Table | None:
     rows = [
         ("checkpoint", f"{e.checkpoint_bytes / s.GB:,.1f} GB, {e.storage} ({e.checkpoint_source})"),
         ("nodes", f"{e.nodes} x {e.ranks_per_node} ranks"),
+        ("each node reads", e.reads),
         (
-            "busiest node's shards",
+            "busiest node",
             f"node {e.busiest.node} (stages {list(e.busiest.stages)}): {e.shard_bytes / s.GB:,.1f} GB",
         ),
-        ("rule", e.rule_reason),
-        ("read per node", f"{e.node_bytes / s.GB:,.1f} GB"),
         ("disk rate", "unknown" if e.read_gbps is None else f"{e.read_gbps:g} GB/s ({e.rate_source})"),
         ("engine's share of it", f"{s.ENGINE_SHARE_OF_DISK_RATE} (measured on the nvidia-h200)"),
     ]

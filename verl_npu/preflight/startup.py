@@ -4,8 +4,9 @@ verl-npu's engine loads the HF checkpoint the way mbridge decides who reads what
 tensor-parallel rank 0 of each pipeline stage reads every non-expert tensor of its stage's layers whole and scatters
 the shards over its TP group; expert-TP rank 0 of each expert-parallel rank reads its local experts; every TP rank of
 the last stage reads ``lm_head``; TP rank 0 of the first stage reads the embedding. A node reads the union of what its
-ranks load. While the model builds, LOCAL_RANK 0 pre-reads the whole checkpoint into the node's page cache when it
-is under half of the memory available (fast_read.warm_page_cache): that node then reads the whole checkpoint once.
+ranks load. The engine's page-cache warm-up (fast_read.warm_page_cache) runs only on a LOCAL_RANK 0 that loads the
+whole checkpoint itself (one pipeline stage, no expert parallelism, TP and expert-TP rank 0:
+verl_engine.loads_whole_checkpoint): it reads that node's bytes early, overlapping the build, and adds none.
 
 The load's time is the node's bytes over the node's disk rate times :data:`ENGINE_SHARE_OF_DISK_RATE`, the share of
 the disk's rate that the engine's build plus load reached on the nvidia-h200 (docs/preflight_startup.md). The first
@@ -46,7 +47,7 @@ SAFETY_FACTOR = 2.0  # the rate a node gets when every node reads at once is rar
 BUILD_ALLOWANCE_S = 60  # what differs between ranks besides the load: the build's skew (docs/preflight_startup.md)
 FAR_ABOVE_FACTOR = 10  # a timeout this many times the minimum leaves a hung rank unnoticed for that long
 PLAUSIBLE_MAX_GBPS = 50.0  # above a node's NVMe array and its network links: most likely a unit mix-up
-WARM_SHARE_OF_AVAILABLE = 0.5  # verl_npu/engine/bridges/fast_read.py's (the test reads it from there)
+WARM_SHARE_OF_AVAILABLE = 0.5  # verl_npu/engine/bridges/fast_read.py's, quoted in the report (the test reads it)
 SAMPLE_BYTES = GiB  # the cold read sample: at most this much of one file ...
 SAMPLE_CHUNK = MIB  # ... in reads of this size, as `cat` reads
 MIN_TRUSTED_SAMPLE = 64 * MIB  # a smaller sample times the system calls, not the disk
@@ -57,7 +58,6 @@ MAX_HEADER_BYTES = 100 * MIB  # safetensors' own limit
 CONNECT, EXEC = "HCCL_CONNECT_TIMEOUT", "HCCL_EXEC_TIMEOUT"
 TIMEOUTS = {CONNECT: (120, 7200, 120), EXEC: (0, 2**31 - 1, 1836)}  # (minimum, maximum, CANN's default)
 AIV_EXEC_CAP_S = 1091  # HCCL_OP_EXPANSION_MODE=AIV caps the execution timeout (0 and larger values read as 1091)
-SHARDS, WARM, UNKNOWN_RAM = "shards", "warm-up", "unknown-ram"
 
 
 class CheckpointError(ValueError):
@@ -183,6 +183,15 @@ def node_reads(shape: ModelShape, parts: ModelBytes, mesh: TrainMesh, ranks_per_
     return out
 
 
+def pre_reading_nodes(mesh: TrainMesh, ranks_per_node: int) -> int:
+    """How many nodes' LOCAL_RANK 0 loads the whole checkpoint itself, so that the engine pre-reads it into the page
+    cache during the build (verl_engine.loads_whole_checkpoint: one stage, EP 1, TP and expert-TP rank 0). Such a
+    node's ranks load the whole checkpoint anyway: the warm-up moves its read earlier, it adds no bytes."""
+    if mesh.pp != 1 or mesh.ep != 1:
+        return 0
+    return sum(1 for first in range(0, mesh.world, ranks_per_node) if first % mesh.tp == 0 and first % mesh.etp == 0)
+
+
 # --- a checkpoint on this machine -----------------------------------------------------------------------------
 @dataclasses.dataclass(frozen=True)
 class LocalCheckpoint:
@@ -294,9 +303,8 @@ class StartupEstimate:
     storage: str
     checkpoint_bytes: int
     checkpoint_source: str
-    busiest: NodeRead  # the node whose ranks load the most (shards rule)
-    rule: str  # WARM (the whole checkpoint per node), SHARDS (the ranks' union), UNKNOWN_RAM (not decided)
-    rule_reason: str
+    busiest: NodeRead  # the node whose ranks load the most (the union of its ranks' shards)
+    pre_read_nodes: int  # nodes where the engine pre-reads the checkpoint into the page cache (pre_reading_nodes)
     read_gbps: float | None  # the node's disk rate; None: unknown
     rate_source: str
 
@@ -305,26 +313,33 @@ class StartupEstimate:
         return round(self.busiest.bytes)
 
     @property
-    def node_bytes(self) -> int:
-        """What the busiest node reads under the rule (the larger of the two when the rule is not decided)."""
-        return self.checkpoint_bytes if self.rule in (WARM, UNKNOWN_RAM) else self.shard_bytes
+    def reads(self) -> str:
+        """What a node reads, and where the engine's page-cache warm-up runs (it adds no bytes)."""
+        text = "the union of its ranks' shards"
+        if self.pre_read_nodes:
+            text += (
+                f"; PP=1 and EP=1: on the {self.pre_read_nodes} of {self.nodes} node(s) whose LOCAL_RANK 0 loads the "
+                "whole checkpoint, the engine pre-reads it into the page cache during the build (when it is under "
+                f"{WARM_SHARE_OF_AVAILABLE:g} of MemAvailable), overlapping the read with the build: the bytes are "
+                "the same"
+            )
+        return text
 
-    def load_seconds(self, nbytes: int | None = None) -> float | None:
+    def load_seconds(self) -> float | None:
         if self.read_gbps is None:
             return None
-        return (self.node_bytes if nbytes is None else nbytes) / (self.read_gbps * GB * ENGINE_SHARE_OF_DISK_RATE)
+        return self.shard_bytes / (self.read_gbps * GB * ENGINE_SHARE_OF_DISK_RATE)
 
-    def minimum_timeout(self, nbytes: int | None = None) -> int | None:
+    def minimum_timeout(self) -> int | None:
         """The smallest HCCL timeout that lets the first collectives wait for the slowest node's load."""
-        seconds = self.load_seconds(nbytes)
+        seconds = self.load_seconds()
         return None if seconds is None else math.ceil(SAFETY_FACTOR * seconds + BUILD_ALLOWANCE_S)
 
-    def derivation(self, nbytes: int | None = None) -> str:
-        nbytes = self.node_bytes if nbytes is None else nbytes
+    def derivation(self) -> str:
         return (
-            f"{_gb(nbytes)} at {self.read_gbps:g} GB/s x {ENGINE_SHARE_OF_DISK_RATE}, the engine's measured share "
-            f"of the disk rate, = {self.load_seconds(nbytes):,.0f} s to load; x {SAFETY_FACTOR:g} (safety) + "
-            f"{BUILD_ALLOWANCE_S} s (the build's skew) = {self.minimum_timeout(nbytes)} s"
+            f"{_gb(self.shard_bytes)} at {self.read_gbps:g} GB/s x {ENGINE_SHARE_OF_DISK_RATE}, the engine's "
+            f"measured share of the disk rate, = {self.load_seconds():,.0f} s to load; x {SAFETY_FACTOR:g} (safety) "
+            f"+ {BUILD_ALLOWANCE_S} s (the build's skew) = {self.minimum_timeout()} s"
         )
 
     def to_dict(self) -> dict[str, Any]:
@@ -337,9 +352,8 @@ class StartupEstimate:
             "busiest_node": self.busiest.node,
             "busiest_node_stages": list(self.busiest.stages),
             "shard_bytes_per_node": self.shard_bytes,
-            "rule": self.rule,
-            "rule_reason": self.rule_reason,
-            "node_bytes": self.node_bytes,
+            "reads": self.reads,
+            "pre_read_nodes": self.pre_read_nodes,
             "read_gbps": self.read_gbps,
             "rate_source": self.rate_source,
             "engine_share_of_disk_rate": ENGINE_SHARE_OF_DISK_RATE,
@@ -347,9 +361,6 @@ class StartupEstimate:
             "build_allowance_s": BUILD_ALLOWANCE_S,
             "load_seconds": self.load_seconds(),
             "minimum_timeout_s": self.minimum_timeout(),
-            "minimum_timeout_s_without_warm_up": self.minimum_timeout(self.shard_bytes)
-            if self.rule == UNKNOWN_RAM
-            else None,
         }
 
 
@@ -362,26 +373,6 @@ def read_rate(gbps: Any) -> float | None:
     return None if gbps is None else inputs.number("--checkpoint-read-gbps", gbps, above=0)
 
 
-def warm_up_rule(checkpoint_bytes: int, host_memory_gib: float | None) -> tuple[str, str]:
-    """Whether the engine's page-cache warm-up runs on a node (fast_read.warm_page_cache), and why."""
-    if host_memory_gib is None:
-        return UNKNOWN_RAM, (
-            f"the node's RAM is not given (--host-memory-gib): the warm-up reads the whole checkpoint per node when "
-            f"it is under {WARM_SHARE_OF_AVAILABLE:g} of the memory available, so the minimum is taken for that "
-            "(larger) read"
-        )
-    limit = WARM_SHARE_OF_AVAILABLE * host_memory_gib * GiB
-    if checkpoint_bytes <= limit:
-        return WARM, (
-            f"page-cache warm-up: the {_gb(checkpoint_bytes)} checkpoint is under {WARM_SHARE_OF_AVAILABLE:g} x "
-            f"{host_memory_gib:g} GiB of host RAM, so LOCAL_RANK 0 reads all of it on every node"
-        )
-    return SHARDS, (
-        f"no warm-up: the {_gb(checkpoint_bytes)} checkpoint is over {WARM_SHARE_OF_AVAILABLE:g} x "
-        f"{host_memory_gib:g} GiB of host RAM, so each node reads the union of its ranks' shards"
-    )
-
-
 def estimate_startup(
     shape: ModelShape,
     hf: Mapping[str, Any],
@@ -389,7 +380,6 @@ def estimate_startup(
     ranks_per_node: int,
     *,
     read_gbps: float | None,
-    host_memory_gib: float | None,
     checkpoint_dir: str | None,
 ) -> tuple[StartupEstimate, list[Check]]:
     """The start-up estimate, and its checks: the checkpoint's bytes, the rate and its source, the load."""
@@ -417,15 +407,12 @@ def estimate_startup(
         checkpoint_bytes = round(modelled)
         source = f"the model's shape at {storage.name}: {shape.total_params() / 1e9:,.1f}B parameters, no MTP layers"
     busiest = max(reads, key=lambda r: r.bytes)
-    rule, reason = warm_up_rule(checkpoint_bytes, host_memory_gib)
     gbps, rate_source, rate_check = _rate(read_gbps, local)
-    estimate = StartupEstimate(len(reads), ranks_per_node, storage.name, checkpoint_bytes, source, busiest, rule,
-                               reason, gbps, rate_source)  # fmt: skip
+    estimate = StartupEstimate(len(reads), ranks_per_node, storage.name, checkpoint_bytes, source, busiest,
+                               pre_reading_nodes(mesh, ranks_per_node), gbps, rate_source)  # fmt: skip
     checks.append(rate_check)
-    reads_what = (
-        f"node {busiest.node} (stages {list(busiest.stages)}) loads {_gb(estimate.shard_bytes)} of its ranks' shards"
-    )
-    detail = f"checkpoint {_gb(checkpoint_bytes)} ({source}); {reads_what}; {reason}"
+    reads_what = f"node {busiest.node} (stages {list(busiest.stages)}) reads the most, {_gb(estimate.shard_bytes)}"
+    detail = f"checkpoint {_gb(checkpoint_bytes)} ({source}); each node reads {estimate.reads}; {reads_what}"
     if gbps is not None:
         detail += f"; {estimate.derivation()}"
     checks.append(Check("startup.load", OK, detail))
@@ -525,12 +512,6 @@ def _against_minimum(name: str, key: str, value: int, unset: bool, e: StartupEst
         return Check(key, WARN, f"{shown}: 0 never times out, so a hung rank is never noticed; {why}",
                      f"set {name} to {room}")  # fmt: skip
     if value < minimum:
-        lower = ""
-        if e.rule == UNKNOWN_RAM and value >= (without := e.minimum_timeout(e.shard_bytes)):
-            lower = (f" (without the page-cache warm-up, {_gb(e.shard_bytes)} per node, {without} s would do: pass "
-                     "--host-memory-gib to decide)")  # fmt: skip
-            return Check(key, WARN, f"{shown} is below the {minimum} s the start-up may need{lower}; {why}",
-                         f"set {name} to {room}, or pass --host-memory-gib")  # fmt: skip
         return Check(key, FAIL, f"{shown} is below the {minimum} s the start-up needs; {why}",
                      f"set {name} to {room} in the launch's environment (its env file)")  # fmt: skip
     if not unset and value > FAR_ABOVE_FACTOR * minimum:

@@ -131,6 +131,15 @@ def test_every_rank_exports_what_mbridge_does(two_ranks, layout):
 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_every_rank_loads_the_export_back_through_the_fast_load(two_ranks, layout):
+    """The export written as an HF checkpoint (two files, an index) and loaded into the zeroed model: every value
+    back, under PP (each stage its layers), TP (rank 0 reads and scatters), EP (each rank its experts), and with
+    tied embeddings (the dense model: one tensor taken for two parameters)."""
+    for rank, results in two_ranks.items():
+        assert results[layout]["load_differences"] == [], (rank, layout)
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_one_metadata_exchange_per_export_and_one_broadcast_per_tensor_under_pp(two_ranks, layout):
     for results in two_ranks.values():
         result = results[layout]

@@ -201,3 +201,22 @@ def test_the_engine_warms_the_page_cache_only_where_the_process_loads_the_whole_
     for name, value in {**single, **layout}.items():
         monkeypatch.setattr(mpu, name, lambda value=value: value)
     assert loads_whole_checkpoint() is whole
+
+
+def test_tensor_reads_give_each_tensor_as_stored_as_often_as_it_is_taken(tmp_path):
+    from mbridge.core.safetensor_io import SafeTensorIO
+
+    tensors = {"a": torch.randn(3, 5), "b": torch.arange(7, dtype=torch.int32), "c": torch.randn(4).to(torch.bfloat16)}
+    save_file({"a": tensors["a"], "b": tensors["b"]}, str(tmp_path / "one.safetensors"))
+    save_file({"c": tensors["c"]}, str(tmp_path / "two.safetensors"))
+    reader = SafeTensorIO(str(tmp_path))
+    with fast_read.TensorReads(reader, ["c", "a", "b"], uses={"a": 2}) as reads:
+        assert reads.nbytes == sum(t.nbytes for t in tensors.values())
+        for name in ("c", "a", "a", "b"):
+            got = reads.take(name)
+            assert got.dtype == tensors[name].dtype and torch.equal(got, tensors[name]), name
+        assert "a" not in reads and "b" not in reads  # taken as often as asked: let go
+        with pytest.raises(KeyError):
+            reads.take("a")
+    with pytest.raises(ValueError, match=r"Weights \['z'\] not found"):
+        fast_read.TensorReads(reader, ["a", "z"])

@@ -9,6 +9,7 @@ headers, every verdict on both sides of its limit, bad option and environment va
 from __future__ import annotations
 
 import json
+import math
 import re
 import shutil
 from pathlib import Path
@@ -125,10 +126,10 @@ def test_the_glm5_2_example_reads_its_ranks_shards_and_the_warm_up_never_runs(gl
     estimate, checks = estimate_startup(glm52, {}, glm52_mesh(), 16, read_gbps=1.0, checkpoint_dir=None)
     assert estimate.shard_bytes == 52_461_735_424 and estimate.checkpoint_bytes == 1_486_754_001_408
     assert estimate.pre_read_nodes == 0 and estimate.reads == "the union of its ranks' shards"  # PP 8, EP 64
-    assert estimate.minimum_timeout() == 224  # ceil(2 x 52.46 GB / 0.64 GB/s + 60)
+    assert estimate.minimum_timeout() == 233  # ceil(2 x 52.46 GB / 0.61 GB/s + 60)
     load = next(c for c in checks if c.check == "startup.load")
     assert "each node reads the union of its ranks' shards; node 4 (stages [1]) reads the most, 52.5 GB" in load.detail
-    assert "52.5 GB at 1 GB/s x 0.64" in load.detail and "= 224 s" in load.detail
+    assert "52.5 GB at 1 GB/s x 0.61" in load.detail and "= 233 s" in load.detail
 
 
 def test_the_warm_up_runs_where_local_rank_0_loads_the_whole_checkpoint_and_adds_no_bytes(dense):
@@ -150,9 +151,12 @@ def test_the_warm_up_runs_where_local_rank_0_loads_the_whole_checkpoint_and_adds
 
 
 def test_the_constants_are_the_engines_measured_ones():
-    result = json.loads((REPO / "bench" / "results" / "rl_step_dense_h200.json").read_text())
-    measured = result["engines"]["ours"]["phases"]["load"]["fraction_of_limit"]
-    assert round(measured, 2) == ENGINE_SHARE_OF_DISK_RATE
+    measured = [
+        json.loads((REPO / "bench" / "results" / name).read_text())["engines"]["ours"]["phases"]["load"]
+        for name in ("rl_step_dense_h200.json", "rl_step_glm5_bf16_h200.json", "rl_step_glm5_fp8_h200.json")
+    ]
+    # the slowest of the committed runs: a timeout derived from it holds on the others
+    assert math.floor(min(load["fraction_of_limit"] for load in measured) * 100) / 100 == ENGINE_SHARE_OF_DISK_RATE
     fast_read = (REPO / "verl_npu" / "engine" / "bridges" / "fast_read.py").read_text()
     assert float(re.search(r"^WARM_SHARE_OF_AVAILABLE = ([0-9.]+)", fast_read, re.M)[1]) == WARM_SHARE_OF_AVAILABLE
 
@@ -270,7 +274,7 @@ def test_a_failure_names_the_variable_the_value_the_minimum_its_derivation_and_t
     checks = timeout_checks(fixed(), {"HCCL_CONNECT_TIMEOUT": "300", "HCCL_EXEC_TIMEOUT": "100"})
     check = next(c for c in checks if c.status == FAIL)
     assert check.detail.startswith("HCCL_EXEC_TIMEOUT=100 s is below the 260 s the start-up needs")
-    assert "64.0 GB at 1 GB/s x 0.64" in check.detail and "x 2 (safety) + 60 s" in check.detail
+    assert "61.0 GB at 1 GB/s x 0.61" in check.detail and "x 2 (safety) + 60 s" in check.detail
     where = "in the launch's environment (its env file)"
     assert check.fix == f"set HCCL_EXEC_TIMEOUT to at least 260 and at most 2600 {where}"
 
@@ -321,16 +325,16 @@ def test_cli_on_the_example_quotes_the_estimate_and_the_rates(capsys):
     assert (startup["shard_bytes_per_node"], startup["read_gbps"]) == (52_461_735_424, 0.1)
     assert (startup["reads"], startup["pre_read_nodes"]) == ("the union of its ranks' shards", 0)
     assert not {"rule", "rule_reason", "node_bytes", "minimum_timeout_s_without_warm_up"} & set(startup)
-    assert startup["minimum_timeout_s"] == 1700  # ceil(2 x 52.46 GB / (0.1 x 0.64 GB/s) + 60)
+    assert startup["minimum_timeout_s"] == 1781  # ceil(2 x 52.46 GB / (0.1 x 0.61 GB/s) + 60)
     found = {c["check"]: c for c in report["checks"] if c["check"].startswith("startup.")}
     assert found["startup.hccl-connect-timeout"]["status"] == OK
-    assert found["startup.hccl-exec-timeout"]["detail"].startswith("HCCL_EXEC_TIMEOUT=7200 s covers the 1700 s")
+    assert found["startup.hccl-exec-timeout"]["detail"].startswith("HCCL_EXEC_TIMEOUT=7200 s covers the 1781 s")
 
     assert main(["preflight", str(LAUNCH), "--checkpoint-read-gbps", "0.1"]) == 0  # the node's RAM changes nothing
     table = " ".join(capsys.readouterr().out.split())
-    assert "Start-up: the HF checkpoint load" in table and "0.1 GB/s" in table and "0.64" in table
+    assert "Start-up: the HF checkpoint load" in table and "0.1 GB/s" in table and "0.61" in table
     assert "the union of its ranks' shards" in table and "(stages [1]): 52.5 GB" in table
-    assert "1700 s = 2 x load + 60 s build allowance" in table
+    assert "1781 s = 2 x load + 60 s build allowance" in table
 
 
 def test_cli_refuses_a_bad_rate_before_any_work(capsys):
@@ -348,4 +352,4 @@ def test_the_example_with_timeouts_below_the_minimum_is_no_go(tmp_path):
     report = run_preflight(copy / LAUNCH.name, host_memory_gib=1500, checkpoint_read_gbps=0.1)
     failed = [c for c in report.checks if c.status == FAIL]
     assert report.verdict == "no-go" and [c.check for c in failed] == ["startup.hccl-connect-timeout"]
-    assert "HCCL_CONNECT_TIMEOUT=600 s is below the 1700 s" in failed[0].detail
+    assert "HCCL_CONNECT_TIMEOUT=600 s is below the 1781 s" in failed[0].detail

@@ -5,13 +5,15 @@
 Each rank builds, layout after layout (:data:`LAYOUTS`), a tiny dense Qwen2 and a tiny GLM-5 through their mbridge
 bridges on the local spec (random weights, random router expert biases), exports them through the fast export and
 through mbridge 0.15.1's ``Bridge.export_weights``, and writes to ``WORKDIR/rank<R>-of-<WORLD>.pt`` per layout the
-exported names, the differences between the two exports and the collectives the fast one made. Needs the repository
+exported names, the differences between the two exports, the collectives the fast one made, and where the fast
+load of that export (written as an HF checkpoint) does not give the model back. Needs the repository
 root and tests_npu/ on PYTHONPATH; uses the CPU harness of verl_npu/testing/cpu_megatron.py.
 """
 
 from __future__ import annotations
 
 import collections
+import json
 import os
 from pathlib import Path
 from typing import Any
@@ -146,7 +148,44 @@ def megatron_tensor_count(models: list[torch.nn.Module]) -> int:
     return total
 
 
-def run_layout(model: str, *, tp: int = 1, pp: int = 1, vpp: int | None = None, ep: int = 1) -> dict[str, Any]:
+def load_round_trip(model: str, bridge: Any, models: list[torch.nn.Module], exported, directory: Path) -> list[str]:
+    """Where the fast load of ``exported`` (the HF tensors, written by rank 0 in two files with an index) does not
+    give the model back its own values (each parameter zeroed first)."""
+    from safetensors.torch import save_file
+
+    from verl_npu.engine.bridges import fast_load
+
+    if torch.distributed.get_rank() == 0:
+        directory.mkdir(parents=True, exist_ok=True)
+        names = [name for name, _ in exported]
+        files = {name: f"model-{1 + (i >= len(names) // 2)}.safetensors" for i, name in enumerate(names)}
+        for file in sorted(set(files.values())):
+            save_file({n: t.detach().contiguous() for n, t in exported if files[n] == file}, str(directory / file))
+        (directory / "model.safetensors.index.json").write_text(json.dumps({"weight_map": files}))
+        bridge.hf_config.save_pretrained(directory)  # mbridge finds the checkpoint by its config.json
+    torch.distributed.barrier()
+    before = [
+        {n: t.detach().clone() for n, t in chunk.state_dict().items() if "_extra_state" not in n} for chunk in models
+    ]
+    with torch.no_grad():
+        for chunk in models:
+            for param in chunk.parameters():
+                param.zero_()
+    if model == "dense":
+        fast_load.load_weights(bridge, models, str(directory))
+    else:
+        bridge.load_weights(models, str(directory))  # GLM5Bridge's: the fast load, then the local-spec experts
+    found = []
+    for index, (chunk, expected) in enumerate(zip(models, before, strict=True)):
+        for name, tensor in chunk.state_dict().items():
+            if name in expected and not torch.equal(_bytes(tensor), _bytes(expected[name])):
+                found.append(f"chunk {index} {name}")
+    return found
+
+
+def run_layout(
+    model: str, *, tp: int = 1, pp: int = 1, vpp: int | None = None, ep: int = 1, checkpoint: Path | None = None
+) -> dict[str, Any]:
     import pytest
     from megatron.core import parallel_state
 
@@ -170,6 +209,7 @@ def run_layout(model: str, *, tp: int = 1, pp: int = 1, vpp: int | None = None, 
         "counts": dict(counts),
         "chunks": len(models),
         "pipeline_tensors": int(tensors),  # the tensors of every stage, each broadcast once under PP
+        "load_differences": None if checkpoint is None else load_round_trip(model, bridge, models, ours, checkpoint),
     }
 
 
@@ -181,7 +221,10 @@ def main(rank: int, world: int, port: int, workdir: Path) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world)
     cpu_megatron.activate()
-    results = {layout: run_layout(model, **sizes) for layout, (model, sizes) in LAYOUTS.items()}
+    results = {
+        layout: run_layout(model, **sizes, checkpoint=workdir / f"hf-{layout}")
+        for layout, (model, sizes) in LAYOUTS.items()
+    }
     torch.save(results, workdir / f"rank{rank}-of-{world}.pt")
     dist.barrier()
     dist.destroy_process_group()

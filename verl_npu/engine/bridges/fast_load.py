@@ -5,9 +5,10 @@ keeps (which rank reads which tensor, the bridge's own name mapping and format h
 
 - mbridge calls ``model.state_dict()`` once per parameter (a walk of the whole module tree each time) and intersects
   the list of names to read with each parameter's: quadratic in the number of tensors. Here: once per model chunk.
-- mbridge reads through ``safe_open``, one tensor at a time from a memory map; here through
-  verl_npu.engine.bridges.fast_read (large parallel reads, tensors as views of one buffer per file), the files of a
-  model chunk read at once on as many threads.
+- mbridge reads through ``safe_open``, one tensor at a time from a memory map, before it converts any; here each
+  tensor is its own read on verl_npu.engine.bridges.fast_read's threads (``TensorReads``), issued in the order the
+  parameters are loaded, and each parameter is converted and copied to the device as soon as its tensors are in,
+  while the next ones are read.
 - An FP8 block-scaled checkpoint (verl_npu.engine.bridges.fp8_safetensors) is dequantised on the device, one
   parameter at a time: codes and scales cross the bus as stored (1 byte per weight, not 2) and the float32 products
   are the device's, bit for bit those of the host (IEEE multiplication, one rounding to bf16).
@@ -24,6 +25,7 @@ Remove when mbridge's loader reads in parallel and builds one state dict per mod
 
 from __future__ import annotations
 
+import collections
 import functools
 import logging
 import time
@@ -31,7 +33,12 @@ import time
 import torch
 from mbridge.core.safetensor_io import SafeTensorIO
 
-from verl_npu.engine.bridges.fast_read import ParallelSafeTensorIO, file_of_name, read_as_stored
+from verl_npu.engine.bridges.fast_read import (
+    ParallelSafeTensorIO,
+    TensorReads,
+    file_of_name,
+    read_as_stored,
+)
 from verl_npu.engine.bridges.fp8_safetensors import SCALE_SUFFIX, BlockFP8SafeTensorIO, dequantize
 
 logger = logging.getLogger(__name__)
@@ -44,12 +51,17 @@ def takes(reader: object) -> bool:
     return type(reader) is SafeTensorIO or isinstance(reader, ParallelSafeTensorIO)
 
 
-def read_for_device(reader: SafeTensorIO, names: list[str]) -> dict[str, torch.Tensor]:
-    """The named tensors as stored, with the block scales of FP8 ones where ``reader`` dequantises (to_device)."""
+def names_for_device(reader: SafeTensorIO, names: list[str]) -> list[str]:
+    """``names`` and, where ``reader`` dequantises (to_device), the block scales of FP8 ones."""
     if isinstance(reader, BlockFP8SafeTensorIO):
         known = file_of_name(reader)
-        names = [*names, *(n + SCALE_SUFFIX for n in names if n + SCALE_SUFFIX in known)]
-    return read_as_stored(reader, names)
+        return [*names, *(n + SCALE_SUFFIX for n in names if n + SCALE_SUFFIX in known)]
+    return list(names)
+
+
+def read_for_device(reader: SafeTensorIO, names: list[str]) -> dict[str, torch.Tensor]:
+    """The named tensors as stored, with the block scales of FP8 ones where ``reader`` dequantises (to_device)."""
+    return read_as_stored(reader, names_for_device(reader, names))
 
 
 def to_device(name: str, raw: dict[str, torch.Tensor], device: torch.device) -> torch.Tensor:
@@ -65,7 +77,7 @@ def to_device(name: str, raw: dict[str, torch.Tensor], device: torch.device) -> 
 
 def load_weights(bridge, models: list[torch.nn.Module], weights_path: str, memory_efficient: bool = False) -> None:
     """``bridge.load_weights(models, weights_path)``, faster (module docstring). ``memory_efficient`` is accepted
-    for mbridge's signature: the host holds one model chunk's tensors, as mbridge's default does."""
+    for mbridge's signature: the host holds at most one model chunk's tensors (those read and not yet loaded)."""
     reader = bridge._get_safetensor_io(weights_path)
     if not takes(reader):
         from mbridge.core.bridge import Bridge
@@ -88,40 +100,43 @@ def load_weights(bridge, models: list[torch.nn.Module], weights_path: str, memor
                 readers_of[local] = mpu.etp_rank == 0
             else:
                 readers_of[local] = mpu.tp_rank == 0 or "lm_head.weight" in hf_names
-        names = list(dict.fromkeys(n for local, hf in local_to_hf.items() if readers_of[local] for n in hf))
-        read_here = set(names)
+        read_here = {n for local, hf in local_to_hf.items() if readers_of[local] for n in hf}
+        # in the order the loop below takes them, each as many times as it is taken (tied embeddings: twice)
+        uses = collections.Counter(
+            n for hf in local_to_hf.values() if read_here.intersection(hf) for n in names_for_device(reader, hf)
+        )
         started = time.perf_counter()
-        raw = read_for_device(reader, names)
-        read_seconds = time.perf_counter() - started
-        state = model.state_dict()
-        for local, hf_names in local_to_hf.items():
-            param = state[local]
-            mcore_weight = None
-            if read_here.intersection(hf_names):
-                hf_weights = [to_device(n, raw, param.device) for n in hf_names]
-                mcore_weight = bridge._weight_to_mcore_format(local, hf_weights)
-            if (
-                hf_names[0] in _EMBEDDINGS
-                and param.shape[0] == 1
-                and (mcore_weight is None or mcore_weight.shape[0] != 1)
-            ):
-                continue  # a value model's one-row head: not the checkpoint's
-            expert = ".mlp.experts.linear_fc" in local
-            group, size = (mpu.etp_group, mpu.etp_size) if expert else (mpu.tp_group, mpu.tp_size)
-            shards = None
-            if (mpu.etp_rank if expert else mpu.tp_rank) == 0:
-                split = bridge._weight_split_across_tp(local, mcore_weight, param, size)
-                shards = [t.to(param.device, dtype=param.dtype).contiguous() for t in split]
-            if size == 1:
-                param.copy_(shards[0])
-                continue
-            received = torch.empty_like(param)
-            source = torch.distributed.get_global_rank(group, 0)
-            torch.distributed.scatter(received, shards, src=source, group=group)
-            param.copy_(received)
-        logger.info("verl-npu: read %d bytes in %.2f s, loaded in %.2f s more", sum(t.nbytes for t in raw.values()),
-                    read_seconds, time.perf_counter() - started - read_seconds)  # fmt: skip
-        del raw, state
+        with TensorReads(reader, list(uses), uses) as reads:
+            _load_chunk(bridge, model, local_to_hf, read_here, reads, mpu)
+        logger.info("verl-npu: loaded %d checkpoint bytes in %.2f s", reads.nbytes, time.perf_counter() - started)
+
+
+def _load_chunk(bridge, model, local_to_hf: dict[str, list[str]], read_here: set[str], reads: TensorReads, mpu) -> None:
+    """Each parameter as soon as its tensors are read: the device copies of one overlap the reads of the next."""
+    state = model.state_dict()
+    for local, hf_names in local_to_hf.items():
+        param = state[local]
+        mcore_weight = None
+        if read_here.intersection(hf_names):
+            raw = {n: reads.take(n) for n in dict.fromkeys(names_for_device(bridge.safetensor_io, hf_names))}
+            hf_weights = [to_device(n, raw, param.device) for n in hf_names]
+            mcore_weight = bridge._weight_to_mcore_format(local, hf_weights)
+            del raw, hf_weights
+        if hf_names[0] in _EMBEDDINGS and param.shape[0] == 1 and (mcore_weight is None or mcore_weight.shape[0] != 1):
+            continue  # a value model's one-row head: not the checkpoint's
+        expert = ".mlp.experts.linear_fc" in local
+        group, size = (mpu.etp_group, mpu.etp_size) if expert else (mpu.tp_group, mpu.tp_size)
+        shards = None
+        if (mpu.etp_rank if expert else mpu.tp_rank) == 0:
+            split = bridge._weight_split_across_tp(local, mcore_weight, param, size)
+            shards = [t.to(param.device, dtype=param.dtype).contiguous() for t in split]
+        if size == 1:
+            param.copy_(shards[0])
+            continue
+        received = torch.empty_like(param)
+        source = torch.distributed.get_global_rank(group, 0)
+        torch.distributed.scatter(received, shards, src=source, group=group)
+        param.copy_(received)
 
 
 def bind_to(bridge) -> bool:

@@ -198,6 +198,73 @@ def read_as_stored(reader: SafeTensorIO, names: Iterable[str]) -> dict[str, torc
     return out
 
 
+def _read_into(path: str, offset: int, nbytes: int) -> torch.Tensor:
+    """Bytes [offset, offset + nbytes) of ``path`` in a new uint8 tensor (one thread, CHUNK_BYTES per call)."""
+    buffer = torch.empty(nbytes, dtype=torch.uint8)
+    view = memoryview(buffer.numpy()) if nbytes else None
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        done = 0
+        while done < nbytes:
+            got = os.preadv(fd, [view[done : min(done + CHUNK_BYTES, nbytes)]], offset + done)
+            if got == 0:
+                raise CheckpointFileError(f"{path}: ended at byte {offset + done}, expected {offset + nbytes}")
+            done += got
+    finally:
+        os.close(fd)
+    return buffer
+
+
+class TensorReads:
+    """The named tensors of ``reader``'s checkpoint, each read as its own task in the order given on READ_THREADS
+    threads, each taken as soon as its bytes are in: a load that takes them in that order copies one tensor to the
+    device while the next ones are read. A tensor taken ``uses`` times (default once) is then let go.
+
+    Use as a context manager: leaving it waits for the reads in flight and drops those not taken."""
+
+    def __init__(self, reader: SafeTensorIO, names: Iterable[str], uses: dict[str, int] | None = None):
+        file_of = file_of_name(reader)
+        wanted = list(dict.fromkeys(names))
+        missing = [n for n in wanted if n not in file_of]
+        if missing:
+            raise ValueError(f"Weights {missing[:5]} not found in safetensors files in {reader.hf_dir}")
+        self._uses = {n: (uses or {}).get(n, 1) for n in wanted}
+        headers: dict[str, tuple[dict[str, dict], int]] = {}
+        plan = []  # every header checked before the first read starts
+        for name in wanted:
+            path = os.path.join(reader.hf_dir, file_of[name])
+            if path not in headers:
+                headers[path] = read_header(path)
+            entries, start = headers[path]
+            if name not in entries:
+                raise CheckpointFileError(f"{path}: no tensor {name!r} (the index names this file)")
+            plan.append((name, path, start, entries[name]))
+        self.nbytes = sum(e["offsets"][1] - e["offsets"][0] for *_, e in plan)  # the named tensors' bytes
+        self._pool = concurrent.futures.ThreadPoolExecutor(READ_THREADS, thread_name_prefix="verl-npu-read")
+        self._reads: dict[str, tuple[concurrent.futures.Future, dict]] = {}
+        for name, path, start, entry in plan:
+            begin, end = entry["offsets"]
+            self._reads[name] = (self._pool.submit(_read_into, path, start + begin, end - begin), entry)
+
+    def take(self, name: str) -> torch.Tensor:
+        future, entry = self._reads[name]
+        tensor = future.result().view(entry["dtype"]).view(entry["shape"])
+        self._uses[name] -= 1
+        if self._uses[name] <= 0:
+            del self._reads[name]
+        return tensor
+
+    def __contains__(self, name: str) -> bool:
+        return name in self._reads
+
+    def __enter__(self) -> TensorReads:
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self._pool.shutdown(wait=True, cancel_futures=True)
+        self._reads.clear()
+
+
 WARM_SHARE_OF_AVAILABLE = 0.5  # warm the page cache only with a checkpoint smaller than this share of free RAM
 
 

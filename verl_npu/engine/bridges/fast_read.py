@@ -5,7 +5,9 @@ one by one from a memory map: page faults of one thread, 4 KiB at a time unless 
 a copy of every byte. Measured on the nvidia-h200 (bench/rl_step.py, docs/rl_step.md): the HF load of a 3.1 GB
 model ran at 39% of that machine's sequential disk rate. Here each file's requested byte span is read with
 ``os.preadv`` in chunks of ``CHUNK_BYTES`` by ``READ_THREADS`` threads straight into one host buffer, and every
-tensor is a view of that buffer (no second copy); a buffer is freed when its last tensor is.
+tensor is a view of that buffer (no second copy); a buffer is freed when its last tensor is. :class:`TensorReads`
+reads each tensor on its own instead, in the order a load takes them, so that the load converts and copies one to
+the device while the next are read (verl_npu/engine/bridges/fast_load.py).
 
 Every header is checked before a byte is trusted: its length, that it is JSON of tensor entries, a known dtype,
 offsets inside the file that match the shape and the dtype's size. A bad file is refused naming the file and the

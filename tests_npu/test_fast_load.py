@@ -220,3 +220,36 @@ def test_tensor_reads_give_each_tensor_as_stored_as_often_as_it_is_taken(tmp_pat
             reads.take("a")
     with pytest.raises(ValueError, match=r"Weights \['z'\] not found"):
         fast_read.TensorReads(reader, ["a", "z"])
+
+
+def test_the_warm_up_reads_every_tensor_but_those_of_layers_the_model_does_not_build(tmp_path, monkeypatch):
+    from types import SimpleNamespace
+
+    layers = {f"model.layers.{i}.{w}": torch.full((300,), float(i)) for i in range(4) for w in ("a.weight", "b.weight")}
+    save_file({**layers, "model.embed_tokens.weight": torch.ones(200)}, str(tmp_path / "m.safetensors"))
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    monkeypatch.setattr(fast_read, "_available_bytes", lambda: 1 << 30)
+    monkeypatch.setattr(fast_read, "CHUNK_BYTES", 1000)  # spans cut into several reads
+    reads = []
+    real_preadv = os.preadv
+
+    def recording_preadv(fd, buffers, offset):
+        reads.append((offset, sum(len(b) for b in buffers)))
+        return real_preadv(fd, buffers, offset)
+
+    monkeypatch.setattr(os, "preadv", recording_preadv)
+    # two decoder layers and one MTP layer trained: layer 3 (a second MTP layer) is not built
+    skip = fast_read.unloaded_layers(SimpleNamespace(num_hidden_layers=2, num_nextn_predict_layers=1))
+    assert [skip(n) for n in ("model.layers.2.a.weight", "model.layers.3.a.weight", "lm_head.weight")] == [
+        False, True, False,
+    ]  # fmt: skip
+    fast_read.warm_page_cache(tmp_path, skip).join(timeout=30)
+    entries, start = fast_read.read_header(tmp_path / "m.safetensors")
+    read_bytes = set()
+    for offset, nbytes in reads:
+        read_bytes.update(range(offset, offset + nbytes))
+    for name, entry in entries.items():
+        begin, end = entry["offsets"]
+        wanted = set(range(start + begin, start + end))
+        assert (wanted <= read_bytes) is (not skip(name)) and (wanted.isdisjoint(read_bytes) is skip(name)), name
+    assert max(nbytes for _, nbytes in reads) <= 1000

@@ -68,7 +68,8 @@ class NPUMegatronEngineMixin:
         # the HF checkpoint is read once the model is built: meanwhile the disk warms the page cache, where this
         # process reads all of it anyway (pre-reading more than the node loads would multiply the storage's traffic)
         if not self.engine_config.use_dist_checkpointing and loads_whole_checkpoint():
-            fast_read.warm_page_cache(self.model_config.local_path)
+            skip = fast_read.unloaded_layers(self.model_config.hf_config)  # MTP layers the model does not build
+            fast_read.warm_page_cache(self.model_config.local_path, skip)
 
     def _build_tf_config(self):
         super()._build_tf_config()

@@ -26,11 +26,12 @@ import json
 import logging
 import math
 import os
+import re
 import struct
 import threading
 import time
 from collections import defaultdict
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 
 import torch
@@ -281,13 +282,50 @@ def _available_bytes() -> int | None:
     return None
 
 
-def warm_page_cache(hf_dir: str | os.PathLike) -> threading.Thread | None:
+_LAYER = re.compile(r"model\.layers\.(\d+)\.")
+
+
+def unloaded_layers(hf_config) -> Callable[[str], bool]:
+    """Whether a tensor name belongs to a decoder layer the model does not build: the MTP layers a checkpoint stores
+    after its ``num_hidden_layers`` (GLM-5, DeepSeek-V3), beyond the ``num_nextn_predict_layers`` the run trains
+    (verl zeroes it unless MTP is on)."""
+    built = hf_config.num_hidden_layers + (getattr(hf_config, "num_nextn_predict_layers", 0) or 0)
+
+    def unloaded(name: str) -> bool:
+        match = _LAYER.match(name)
+        return match is not None and int(match[1]) >= built
+
+    return unloaded
+
+
+def _spans(files: list[Path], skip: Callable[[str], bool] | None) -> list[tuple[Path, int, int]]:
+    """(file, offset, bytes) to read, at most CHUNK_BYTES each: whole files, or without the tensors ``skip`` names
+    (adjacent tensors merged)."""
+    spans = []
+    for file in files:
+        if skip is None:
+            ranges = [(0, file.stat().st_size)]
+        else:
+            entries, start = read_header(file)
+            ranges = []
+            for begin, end in sorted(e["offsets"] for name, e in entries.items() if not skip(name)):
+                if ranges and ranges[-1][1] == start + begin:
+                    ranges[-1] = (ranges[-1][0], start + end)
+                else:
+                    ranges.append((start + begin, start + end))
+        for begin, end in ranges:
+            spans.extend((file, offset, min(CHUNK_BYTES, end - offset)) for offset in range(begin, end, CHUNK_BYTES))
+    return spans
+
+
+def warm_page_cache(hf_dir: str | os.PathLike, skip: Callable[[str], bool] | None = None) -> threading.Thread | None:
     """Read the checkpoint's ``*.safetensors`` files once in the background (WARM_THREADS reads in flight, in file
     order), so that the load that follows the model's build finds them in the page cache: the build and the disk then
     overlap. One process per node does it (the page
     cache is the node's: ``LOCAL_RANK`` 0, or a process without one), and only for a checkpoint under
     WARM_SHARE_OF_AVAILABLE of the memory available (a larger one would evict itself); the engine asks only where
-    that process loads the whole checkpoint itself (verl_engine.loads_whole_checkpoint). None where it does not."""
+    that process loads the whole checkpoint itself (verl_engine.loads_whole_checkpoint). Tensors ``skip`` names are
+    not read (:func:`unloaded_layers`: the model would not load them). None where it does not run."""
     if os.environ.get("LOCAL_RANK", "0") != "0":
         return None
     files = sorted(Path(hf_dir).glob("*.safetensors"))
@@ -297,7 +335,13 @@ def warm_page_cache(hf_dir: str | os.PathLike) -> threading.Thread | None:
         logger.info("verl-npu: checkpoint %s (%d bytes) not pre-read: %s available", hf_dir, total, available)
         return None
 
-    chunks = iter([(file, offset) for file in files for offset in range(0, file.stat().st_size, CHUNK_BYTES)])
+    try:
+        spans = _spans(files, skip)
+    except CheckpointFileError as exc:  # the load reports it, naming the file; this is only a hint
+        logger.info("verl-npu: checkpoint %s not pre-read: %s", hf_dir, exc)
+        return None
+    total = sum(nbytes for *_, nbytes in spans)
+    chunks = iter(spans)
     next_chunk = threading.Lock()
     started = time.perf_counter()
 
@@ -307,13 +351,13 @@ def warm_page_cache(hf_dir: str | os.PathLike) -> threading.Thread | None:
         view = memoryview(buffer)
         while True:
             with next_chunk:
-                file, offset = next(chunks, (None, 0))
+                file, offset, nbytes = next(chunks, (None, 0, 0))
             if file is None:
                 return
             try:
                 fd = os.open(file, os.O_RDONLY)
                 try:
-                    os.preadv(fd, [view], offset)
+                    os.preadv(fd, [view[:nbytes]], offset)
                 finally:
                     os.close(fd)
             except OSError as exc:  # the load reports a real problem with the file; this is only a hint

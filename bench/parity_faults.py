@@ -59,7 +59,7 @@ def _fault(inject: str, models: tuple[str, ...], reference: Path, workdir: Path,
     """Both judgements of one fault. A fault whose fp32 run refuses to run (megatron's Hadamard rotation takes bf16
     only) has the clean fp32 run as its node's fp32 run: that node's fp32 path never meets the fault."""
     from verl_npu.parity import compare as cmp
-    from verl_npu.parity.job import RUN_KIND
+    from verl_npu.parity.run_format import RUN_KIND
 
     out: dict = {}
     try:

@@ -74,7 +74,8 @@ def main() -> int:
     from verl_npu import atomic
     from verl_npu.parity import compare as cmp
     from verl_npu.parity.cli import DEFAULT_REFERENCE
-    from verl_npu.parity.job import RUN_KIND, versions
+    from verl_npu.parity.job import versions
+    from verl_npu.parity.run_format import RUN_KIND
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", required=True)

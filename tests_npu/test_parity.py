@@ -23,7 +23,7 @@ from test_parity_faults import replayed
 
 from verl_npu.parity import compare as cmp
 from verl_npu.parity.cli import DEFAULT_REFERENCE
-from verl_npu.parity.job import RUN_KIND
+from verl_npu.parity.run_format import RUN_KIND
 
 REPLAYED_MODELS = ("glm5_2", "dense")  # the fused-shape model records no block tensors (too large) on any platform
 

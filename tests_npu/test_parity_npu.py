@@ -16,7 +16,7 @@ import pytest
 
 from verl_npu.parity import compare as cmp
 from verl_npu.parity.cli import DEFAULT_REFERENCE
-from verl_npu.parity.job import RUN_KIND
+from verl_npu.parity.run_format import RUN_KIND
 
 pytestmark = pytest.mark.npu
 MODELS = ("glm5_2", "dense", "glm5_2_fused_shape")

@@ -218,7 +218,7 @@ def launch_estimate(optim: dict, platform: str = "ascend", **megatron):
     from verl_npu.engine.build_plan import build_plan
     from verl_npu.preflight.memory_plan import estimate_launch
     from verl_npu.preflight.mesh import TrainMesh
-    from verl_npu.preflight.pipeline import target
+    from verl_npu.preflight.target import target
     from verl_npu.preflight.values import read_launch
 
     megatron = {"vanilla_mbridge": True, **megatron}

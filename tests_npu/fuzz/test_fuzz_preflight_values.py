@@ -29,7 +29,7 @@ from verl_npu.preflight.memory import estimate
 from verl_npu.preflight.memory_plan import estimate_launch
 from verl_npu.preflight.mesh import check_mesh
 from verl_npu.preflight.model_shape import SIZES, ModelShape, check_values
-from verl_npu.preflight.pipeline import target
+from verl_npu.preflight.target import target
 from verl_npu.preflight.values import InputErrors, read_launch
 
 MCORE = "actor_rollout_ref.actor.megatron"

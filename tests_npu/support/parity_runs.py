@@ -22,7 +22,7 @@ CPU_MODELS = ("glm5_2", "dense")
 def run_job(out: Path, dtype: str, inject: str = "none", models=CPU_MODELS, extra: tuple[str, ...] = ()) -> dict:
     """One parity run on the CPU, written to ``out`` and loaded (checked) as ``parity compare`` loads it."""
     from verl_npu.parity import compare as cmp
-    from verl_npu.parity.job import RUN_KIND
+    from verl_npu.parity.run_format import RUN_KIND
 
     argv = [sys.executable, str(INJECT), "--inject", inject, "--dtype", dtype, "--out", str(out), *extra]
     for model in models:

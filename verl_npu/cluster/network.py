@@ -35,7 +35,8 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
 from verl_npu import inputs, processes
-from verl_npu.doctor import FAIL, OK, WARN, Finding
+from verl_npu.checks import FAIL, OK, WARN
+from verl_npu.checks import Check as Finding
 
 # TP_SOCKET_IFNAME: TensorPipe (torch.distributed.rpc) reads it; set with the others so that nothing
 # in a worker falls back to the interface its hostname resolves to.

@@ -21,6 +21,7 @@ from typing import Any
 
 from verl_npu.bounded_read import NotReadable, read_bytes
 from verl_npu.checks import Check as Finding
+from verl_npu.cluster.network import check_network
 from verl_npu.stack import build_manifest
 from verl_npu.stack.detect import CommandFailed, run_command
 
@@ -65,8 +66,6 @@ class Probe:
 
     @classmethod
     def current(cls) -> Probe:
-        from verl_npu.doctor.rules.network import node_network_checks
-
         mem = None
         with contextlib.suppress(ValueError, OSError):
             mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
@@ -80,7 +79,7 @@ class Probe:
             },
             build_manifest_path=build_manifest.find(),
             meta_path=list(sys.meta_path),
-            network=node_network_checks,
+            network=check_network,
         )
 
     # --- derived views (cached) -------------------------------------------------------------

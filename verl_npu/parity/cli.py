@@ -43,10 +43,11 @@ def _output(option: str, value: str | None, formats: tuple[str, ...] = ()) -> Pa
 def cmd_run(args: argparse.Namespace) -> int:
     from verl_npu import inputs
     from verl_npu.parity import job
+    from verl_npu.parity.run_format import MAX_STEPS
 
     # the option's text, read by verl_npu.inputs (ASCII digits): argparse's type=int also reads other scripts'
     # digits (Arabic-Indic, full-width) and '1_6'
-    steps = inputs.integer("--steps", args.steps, minimum=1, maximum=job.MAX_STEPS)
+    steps = inputs.integer("--steps", args.steps, minimum=1, maximum=MAX_STEPS)
     options = job.RunOptions(models=tuple(args.model or job.DEFAULT_MODELS), dtype=args.dtype, steps=steps,
                              path=args.path, replay_from=args.replay_from)  # fmt: skip
     out = _output("--out", args.out)
@@ -61,7 +62,7 @@ def cmd_compare(args: argparse.Namespace) -> int:
     from verl_npu import atomic
     from verl_npu.checks import table
     from verl_npu.parity import compare as cmp
-    from verl_npu.parity.job import RUN_KIND
+    from verl_npu.parity.run_format import RUN_KIND
 
     json_path, plot_path = _output("--json", args.json), _output("--plot", args.plot, cmp.PLOT_FORMATS)
     run = cmp.load(args.run, RUN_KIND)
@@ -94,7 +95,7 @@ def cmd_compare(args: argparse.Namespace) -> int:
 def cmd_reference(args: argparse.Namespace) -> int:
     from verl_npu import atomic
     from verl_npu.parity import compare as cmp
-    from verl_npu.parity.job import RUN_KIND
+    from verl_npu.parity.run_format import RUN_KIND
 
     out = _output("--out", args.out)
     runs = {d: cmp.load(getattr(args, d), RUN_KIND) for d in ("bf16", "fp32", "fp64")}
@@ -110,7 +111,7 @@ def cmd_independent(args: argparse.Namespace) -> int:
 
     from verl_npu.parity import compare as cmp
     from verl_npu.parity import independent
-    from verl_npu.parity.job import RUN_KIND
+    from verl_npu.parity.run_format import RUN_KIND
 
     run = cmp.load(args.run, RUN_KIND)
     with tempfile.TemporaryDirectory(prefix="verl-npu-independent-") as workdir:
@@ -123,7 +124,8 @@ def cmd_independent(args: argparse.Namespace) -> int:
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    from verl_npu.parity.job import DEFAULT_STEPS, DTYPES, MAX_STEPS, PATHS
+    from verl_npu.parity.job import DEFAULT_STEPS, PATHS
+    from verl_npu.parity.run_format import DTYPES, MAX_STEPS
 
     parity = sub.add_parser("parity", help="the platform-parity job and its comparison with the CUDA reference")
     parity_sub = parity.add_subparsers(dest="parity_command", required=True)

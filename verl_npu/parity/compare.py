@@ -37,14 +37,17 @@ import math
 import re
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from verl_npu.bounded_read import MIB, NotReadable, read_bytes
 from verl_npu.checks import FAIL, OK, WARN, Check
 from verl_npu.errors import UserError
 from verl_npu.inputs import DuplicateKey, loads_json
-from verl_npu.parity.job import DTYPES, FORMAT, MAX_STEPS, RUN_KIND
 from verl_npu.parity.probes import STATISTICS
+from verl_npu.parity.run_format import DTYPES, FORMAT, MAX_STEPS, RUN_KIND
+
+if TYPE_CHECKING:
+    import torch
 
 REFERENCE_KIND = "verl-npu parity reference"
 MAX_FILE_BYTES = 256 * MIB
@@ -966,6 +969,34 @@ def natural_tensors(run: Mapping[str, Any], model: str) -> Mapping[str, Any]:
     if not natural:
         raise ParityCompareError(f"{where}.eval.replay.natural: empty: the run recorded no block-boundary tensors")
     return natural
+
+
+class Source:
+    """The natural tensors a run's blocks are fed for one model, and where they came from (recorded with the run)."""
+
+    def __init__(self, tensors: dict[str, torch.Tensor], identity: dict[str, Any]):
+        self.tensors = tensors
+        self.identity = identity
+
+
+def source_of(path: str, model: str, dtype: str) -> Source:
+    """``model``'s natural tensors in a run file, or in a reference file's run of ``dtype``. A file that is neither,
+    or holds no such tensors, is a UserError naming it (exit 2, before the device starts)."""
+    from verl_npu.parity.replay import decode, digest
+
+    run = replay_source_run(path, dtype)
+    natural = natural_tensors(run, model)
+    tensors = {
+        point: decode(f"{run['_path']}: models.{model}.eval.replay.natural.{point}", record)
+        for point, record in natural.items()
+    }
+    identity = {
+        "path": run["_path"],
+        "device": run.get("device"),
+        "dtype": run_dtype(run),
+        "digest": digest(natural),
+    }
+    return Source(tensors, identity)
 
 
 def _replayed(run: Mapping[str, Any], model: str) -> Mapping[str, Any] | None:

@@ -53,15 +53,12 @@ from verl_npu.parity.models import (
     training_tokens,
     write_checkpoint,
 )
+from verl_npu.parity.run_format import DTYPES, FORMAT, MAX_STEPS, RUN_KIND
 
-RUN_KIND = "verl-npu parity run"
-FORMAT = 2  # 2: block-boundary tensors and replay (parity/replay.py), step-0 gradient and update sketches
-DTYPES = ("bf16", "fp32", "fp64")
 PATHS = ("default", "portable", "fused")
 # step 0's gradients and update are judged; a second step runs on what the offload manager moved to the host and
 # back (a summary: later steps' losses diverge chaotically between correct platforms)
 DEFAULT_STEPS = 2
-MAX_STEPS = 100  # a run records every step's loss and gradient norm per model: a few steps say what parity needs
 LEARNING_RATE = 1e-3
 # MindSpeed's four DSA switches (they go on together: verl_npu/contracts/mindspeed.py)
 FUSED_DSA_FLAGS = ("use_dsa_absorb", "use_fused_lightning_indexer", "use_fused_sparse_flash_attention",
@@ -560,7 +557,7 @@ def run(options: RunOptions) -> dict[str, Any]:
 
     if options.path == "portable":
         os.environ["VERL_NPU_OPS_BACKEND"] = "portable"  # verl-npu's PyTorch operators only (verl_npu.ops.dispatch)
-    from verl_npu.parity.replay import source_of
+    from verl_npu.parity.compare import source_of
 
     sources = dict.fromkeys(options.models)
     if options.replay_from:

@@ -221,31 +221,3 @@ def contributions(natural: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor
         out[f"{prefix}/layers.{index}.self_attention"] = residual.double() - natural[point].double()
         out[f"{prefix}/layers.{index}.mlp"] = after.double() - residual.double()
     return out
-
-
-class Source:
-    """The natural tensors a run's blocks are fed for one model, and where they came from (recorded with the run)."""
-
-    def __init__(self, tensors: dict[str, torch.Tensor], identity: dict[str, Any]):
-        self.tensors = tensors
-        self.identity = identity
-
-
-def source_of(path: str, model: str, dtype: str) -> Source:
-    """``model``'s natural tensors in a run file, or in a reference file's run of ``dtype``. A file that is neither,
-    or holds no such tensors, is a UserError naming it (exit 2, before the device starts)."""
-    from verl_npu.parity import compare as cmp
-
-    run = cmp.replay_source_run(path, dtype)
-    natural = cmp.natural_tensors(run, model)
-    tensors = {
-        point: decode(f"{run['_path']}: models.{model}.eval.replay.natural.{point}", record)
-        for point, record in natural.items()
-    }
-    identity = {
-        "path": run["_path"],
-        "device": run.get("device"),
-        "dtype": cmp.run_dtype(run),
-        "digest": digest(natural),
-    }
-    return Source(tensors, identity)

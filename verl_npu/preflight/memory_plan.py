@@ -29,11 +29,11 @@ from verl_npu.preflight.memory import (
 )
 from verl_npu.preflight.mesh import TrainMesh
 from verl_npu.preflight.model_shape import ModelShape
+from verl_npu.preflight.target import Target
 from verl_npu.preflight.values import ROLLOUT, LaunchValues, MegatronRole, Reader
 
 if TYPE_CHECKING:
     from verl_npu.engine.build_plan import BuildPlan
-    from verl_npu.preflight.pipeline import Target
 
 
 def estimate_launch(

@@ -16,6 +16,7 @@ from verl_npu.checks import FAIL, OK, WARN, Check, failed
 from verl_npu.errors import UserError
 from verl_npu.preflight.model import FROM_BESIDE_SCRIPT, FROM_NAME
 from verl_npu.preflight.report import PreflightReport
+from verl_npu.preflight.target import Target, target
 
 if TYPE_CHECKING:
     from verl_npu.engine.build_plan import BuildPlan
@@ -25,33 +26,6 @@ if TYPE_CHECKING:
     from verl_npu.preflight.model_shape import ModelShape
     from verl_npu.preflight.values import LaunchValues
     from verl_npu.preflight.worker import PreflightWorker
-
-ASCEND = "ascend"  # every chip of the stack manifest (a2, a3) is an Ascend NPU
-
-
-@dataclasses.dataclass(frozen=True)
-class Target:
-    """What the launch runs on: the chip, its HBM per device, and the platform the engine builds for."""
-
-    chip: str
-    platform: str
-    hbm_bytes: int
-
-
-def target(chip: str, platform: str | None = None) -> Target:
-    """The chip's target from the stack manifest; ``platform`` overrides the chip's (``ascend``) to check the same
-    launch as another platform's engine would build it."""
-    from verl_npu.engine.build_plan import PLATFORMS
-    from verl_npu.preflight.memory import GiB
-    from verl_npu.stack.manifest import load_stack
-
-    chips = load_stack().chips
-    if chip not in chips:
-        raise ValueError(f"chip {chip!r}: the stack manifest knows {', '.join(sorted(chips))}")
-    platform = platform or ASCEND
-    if platform not in PLATFORMS:
-        raise ValueError(f"platform {platform!r}: use one of {', '.join(PLATFORMS)}")
-    return Target(chip, platform, chips[chip].hbm_gib * GiB)
 
 
 def host_memory(gib: Any) -> float | None:

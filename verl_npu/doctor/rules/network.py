@@ -2,19 +2,11 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-
 from verl_npu.checks import OK
 from verl_npu.checks import Check as Finding
 from verl_npu.doctor.probe import Probe
 from verl_npu.stack import NPU_TARGETS
 from verl_npu.stack.detect import Platform
-
-
-def node_network_checks(env: Mapping[str, str]) -> list[Finding]:
-    from verl_npu.cluster.network import check_network  # it imports verl_npu.doctor
-
-    return check_network(env)
 
 
 def check_network_hook(probe: Probe, plat: Platform, target: str) -> list[Finding]:

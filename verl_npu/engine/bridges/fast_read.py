@@ -201,23 +201,6 @@ def read_as_stored(reader: SafeTensorIO, names: Iterable[str]) -> dict[str, torc
     return out
 
 
-def _read_into(path: str, offset: int, nbytes: int) -> torch.Tensor:
-    """Bytes [offset, offset + nbytes) of ``path`` in a new uint8 tensor (one thread, CHUNK_BYTES per call)."""
-    buffer = torch.empty(nbytes, dtype=torch.uint8)
-    view = memoryview(buffer.numpy()) if nbytes else None
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        done = 0
-        while done < nbytes:
-            got = os.preadv(fd, [view[done : min(done + CHUNK_BYTES, nbytes)]], offset + done)
-            if got == 0:
-                raise CheckpointFileError(f"{path}: ended at byte {offset + done}, expected {offset + nbytes}")
-            done += got
-    finally:
-        os.close(fd)
-    return buffer
-
-
 class TensorReads:
     """The named tensors of ``reader``'s checkpoint, each read as its own task in the order given on READ_THREADS
     threads, each taken as soon as its bytes are in: a load that takes them in that order copies one tensor to the
@@ -247,7 +230,8 @@ class TensorReads:
         self._reads: dict[str, tuple[concurrent.futures.Future, dict]] = {}
         for name, path, start, entry in plan:
             begin, end = entry["offsets"]
-            self._reads[name] = (self._pool.submit(_read_into, path, start + begin, end - begin), entry)
+            # one thread per tensor: the pool's threads read several tensors at once
+            self._reads[name] = (self._pool.submit(_read_span, Path(path), start + begin, end - begin, 1), entry)
 
     def take(self, name: str) -> torch.Tensor:
         future, entry = self._reads[name]

@@ -37,7 +37,6 @@ from verl_npu.engine.bridges.fast_read import (
     ParallelSafeTensorIO,
     TensorReads,
     file_of_name,
-    read_as_stored,
 )
 from verl_npu.engine.bridges.fp8_safetensors import SCALE_SUFFIX, BlockFP8SafeTensorIO, dequantize
 
@@ -57,11 +56,6 @@ def names_for_device(reader: SafeTensorIO, names: list[str]) -> list[str]:
         known = file_of_name(reader)
         return [*names, *(n + SCALE_SUFFIX for n in names if n + SCALE_SUFFIX in known)]
     return list(names)
-
-
-def read_for_device(reader: SafeTensorIO, names: list[str]) -> dict[str, torch.Tensor]:
-    """The named tensors as stored, with the block scales of FP8 ones where ``reader`` dequantises (to_device)."""
-    return read_as_stored(reader, names_for_device(reader, names))
 
 
 def to_device(name: str, raw: dict[str, torch.Tensor], device: torch.device) -> torch.Tensor:

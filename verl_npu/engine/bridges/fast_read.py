@@ -13,8 +13,8 @@ Every header is checked before a byte is trusted: its length, that it is JSON of
 offsets inside the file that match the shape and the dtype's size. A bad file is refused naming the file and the
 tensor. The values are the bytes on disk, exactly what ``safe_open`` gives (tests_npu/test_fast_load.py).
 
-:func:`warm_page_cache` reads the files once in the background from the engine's start, so that the disk works
-while the model is built (verl_npu/engine/verl_engine.py); the load then copies from the page cache.
+:func:`prefetch` starts those per-tensor reads when the engine starts, so that the disk works while the model is
+built (verl_npu/engine/verl_engine.py); the load claims them, done or in flight, and reads nothing twice.
 
 Remove when mbridge reads in large parallel chunks (its ``SafeTensorIO`` as of mbridge 0.15.1).
 """
@@ -40,7 +40,6 @@ from mbridge.core.safetensor_io import SafeTensorIO
 logger = logging.getLogger(__name__)
 CHUNK_BYTES = 64 << 20
 READ_THREADS = 8
-WARM_THREADS = 4  # reads in flight while the page cache is warmed
 MAX_HEADER_BYTES = 100 << 20  # safetensors' own limit
 DTYPES = {
     "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
@@ -204,7 +203,8 @@ def read_as_stored(reader: SafeTensorIO, names: Iterable[str]) -> dict[str, torc
 class TensorReads:
     """The named tensors of ``reader``'s checkpoint, each read as its own task in the order given on READ_THREADS
     threads, each taken as soon as its bytes are in: a load that takes them in that order copies one tensor to the
-    device while the next ones are read. A tensor taken ``uses`` times (default once) is then let go.
+    device while the next ones are read. A tensor taken ``uses`` times (default once) is then let go. A read that a
+    :func:`prefetch` of the checkpoint has begun is claimed from it instead of issued again.
 
     Use as a context manager: leaving it waits for the reads in flight and drops those not taken."""
 
@@ -231,7 +231,10 @@ class TensorReads:
         for name, path, start, entry in plan:
             begin, end = entry["offsets"]
             # one thread per tensor: the pool's threads read several tensors at once
-            self._reads[name] = (self._pool.submit(_read_span, Path(path), start + begin, end - begin, 1), entry)
+            future = _claim_prefetched(path, name, start + begin, end - begin)
+            if future is None:
+                future = self._pool.submit(_read_span, Path(path), start + begin, end - begin, 1)
+            self._reads[name] = (future, entry)
 
     def take(self, name: str) -> torch.Tensor:
         future, entry = self._reads[name]
@@ -252,7 +255,7 @@ class TensorReads:
         self._reads.clear()
 
 
-WARM_SHARE_OF_AVAILABLE = 0.5  # warm the page cache only with a checkpoint smaller than this share of free RAM
+PREFETCH_SHARE_OF_AVAILABLE = 0.5  # prefetch only a checkpoint smaller than this share of the memory available
 
 
 def _available_bytes() -> int | None:
@@ -282,80 +285,128 @@ def unloaded_layers(hf_config) -> Callable[[str], bool]:
     return unloaded
 
 
-def _spans(files: list[Path], skip: Callable[[str], bool] | None) -> list[tuple[Path, int, int]]:
-    """(file, offset, bytes) to read, at most CHUNK_BYTES each: whole files, or without the tensors ``skip`` names
-    (adjacent tensors merged)."""
-    spans = []
+def _identity(path: str) -> tuple[int, int, int, int]:
+    stat = os.stat(path)
+    return stat.st_dev, stat.st_ino, stat.st_size, stat.st_mtime_ns
+
+
+class Prefetch:
+    """Reads of a checkpoint's tensors begun before any load asks for them (:func:`prefetch`): each tensor its own
+    read, in file order, READ_THREADS at a time. A load's :class:`TensorReads` claims the reads it needs, done or in
+    flight, so the disk reads no byte twice and works while the model is built; :meth:`close` drops the rest."""
+
+    def __init__(self, hf_dir: str, plan: list[tuple[str, str, int, int]]):
+        self.hf_dir = hf_dir
+        self.nbytes = sum(nbytes for *_, nbytes in plan)
+        self.claimed_bytes = 0
+        self._identity = {path: _identity(path) for path in dict.fromkeys(path for path, *_ in plan)}
+        self._lock = threading.Lock()
+        self._started = time.perf_counter()
+        self._unfinished = len(plan)
+        self._pool = concurrent.futures.ThreadPoolExecutor(READ_THREADS, thread_name_prefix="verl-npu-prefetch")
+        self._reads: dict[tuple[str, str], tuple[int, int, concurrent.futures.Future]] = {}
+        for path, name, offset, nbytes in plan:
+            future = self._pool.submit(_read_span, Path(path), offset, nbytes, 1)
+            self._reads[(path, name)] = (offset, nbytes, future)
+            future.add_done_callback(self._finished)
+
+    def _finished(self, future: concurrent.futures.Future) -> None:
+        with self._lock:
+            self._unfinished -= 1
+            last = self._unfinished == 0
+        if last:
+            seconds = time.perf_counter() - self._started
+            logger.info("verl-npu: prefetched %s (%d bytes) in %.2f s, %.2f GB/s", self.hf_dir, self.nbytes, seconds,
+                        self.nbytes / max(seconds, 1e-9) / 1e9)  # fmt: skip
+
+    def claim(self, path: str, name: str, offset: int, nbytes: int) -> concurrent.futures.Future | None:
+        """The read of these bytes of ``path`` (a real path), now the caller's; None where it was not prefetched
+        or the file changed since (then the caller reads it itself)."""
+        with self._lock:
+            read = self._reads.get((path, name))
+            if read is None or read[:2] != (offset, nbytes):
+                return None
+            del self._reads[(path, name)]
+        if _identity(path) != self._identity[path]:
+            read[2].cancel()
+            logger.warning("verl-npu: %s changed since it was prefetched: read again", path)
+            return None
+        self.claimed_bytes += nbytes
+        return read[2]
+
+    def close(self) -> None:
+        """Drop the reads no load claimed (the queued ones are not started) and forget this prefetch."""
+        with self._lock:
+            unclaimed, self._reads = self._reads, {}
+        for *_, future in unclaimed.values():
+            future.cancel()
+        self._pool.shutdown(wait=False)
+        with _PREFETCHES_LOCK:
+            if self in _PREFETCHES:
+                _PREFETCHES.remove(self)
+        logger.info("verl-npu: prefetch of %s closed: %d of its %d bytes claimed by the load", self.hf_dir,
+                    self.claimed_bytes, self.nbytes)  # fmt: skip
+
+
+_PREFETCHES: list[Prefetch] = []
+_PREFETCHES_LOCK = threading.Lock()
+
+
+def _claim_prefetched(path: str, name: str, offset: int, nbytes: int) -> concurrent.futures.Future | None:
+    with _PREFETCHES_LOCK:
+        prefetches = list(_PREFETCHES)
+    real = os.path.realpath(path)
+    for prefetch in prefetches:
+        if (future := prefetch.claim(real, name, offset, nbytes)) is not None:
+            return future
+    return None
+
+
+def _plan(hf_dir: str, skip: Callable[[str], bool] | None) -> list[tuple[str, str, int, int]]:
+    """(real path, name, offset, bytes) of every tensor the checkpoint's index (else its ``*.safetensors`` files)
+    names and ``skip`` does not, in file order."""
+    index_file = Path(hf_dir) / "model.safetensors.index.json"
+    if index_file.exists():
+        with open(index_file) as f:
+            weight_map = json.load(f).get("weight_map")
+        if not isinstance(weight_map, dict):
+            raise CheckpointFileError(f"{index_file}: no weight_map object")
+        files = sorted(set(weight_map.values()))
+    else:
+        weight_map, files = None, sorted(f.name for f in Path(hf_dir).glob("*.safetensors"))
+    plan = []
     for file in files:
-        if skip is None:
-            ranges = [(0, file.stat().st_size)]
-        else:
-            entries, start = read_header(file)
-            ranges = []
-            for begin, end in sorted(e["offsets"] for name, e in entries.items() if not skip(name)):
-                if ranges and ranges[-1][1] == start + begin:
-                    ranges[-1] = (ranges[-1][0], start + end)
-                else:
-                    ranges.append((start + begin, start + end))
-        for begin, end in ranges:
-            spans.extend((file, offset, min(CHUNK_BYTES, end - offset)) for offset in range(begin, end, CHUNK_BYTES))
-    return spans
+        path = os.path.realpath(os.path.join(hf_dir, file))
+        entries, start = read_header(path)
+        tensors = [
+            (path, name, start + entry["offsets"][0], entry["offsets"][1] - entry["offsets"][0])
+            for name, entry in entries.items()
+            if (weight_map is None or weight_map.get(name) == file) and not (skip and skip(name))
+        ]
+        plan.extend(sorted(tensors, key=lambda t: t[2]))
+    return plan
 
 
-def warm_page_cache(hf_dir: str | os.PathLike, skip: Callable[[str], bool] | None = None) -> threading.Thread | None:
-    """Read the checkpoint's ``*.safetensors`` files once in the background (WARM_THREADS reads in flight, in file
-    order), so that the load that follows the model's build finds them in the page cache: the build and the disk then
-    overlap. One process per node does it (the page
-    cache is the node's: ``LOCAL_RANK`` 0, or a process without one), and only for a checkpoint under
-    WARM_SHARE_OF_AVAILABLE of the memory available (a larger one would evict itself); the engine asks only where
-    that process loads the whole checkpoint itself (verl_engine.loads_whole_checkpoint). Tensors ``skip`` names are
-    not read (:func:`unloaded_layers`: the model would not load them). None where it does not run."""
+def prefetch(hf_dir: str | os.PathLike, skip: Callable[[str], bool] | None = None) -> Prefetch | None:
+    """Start reading the checkpoint's tensors (but those ``skip`` names: :func:`unloaded_layers`) into host memory,
+    for the load that follows the model's build to claim (:class:`TensorReads`). One process per node does it
+    (``LOCAL_RANK`` 0, or a process without one: what it reads also warms the node's page cache for the others), and
+    only for tensors under PREFETCH_SHARE_OF_AVAILABLE of the memory available; the engine asks only where that
+    process loads the whole checkpoint itself (verl_engine.loads_whole_checkpoint). The caller closes it after the
+    load. None where it does not run."""
     if os.environ.get("LOCAL_RANK", "0") != "0":
         return None
-    files = sorted(Path(hf_dir).glob("*.safetensors"))
-    total = sum(f.stat().st_size for f in files)
-    available = _available_bytes()
-    if not files or available is None or total > WARM_SHARE_OF_AVAILABLE * available:
-        logger.info("verl-npu: checkpoint %s (%d bytes) not pre-read: %s available", hf_dir, total, available)
-        return None
-
+    hf_dir = str(hf_dir)
     try:
-        spans = _spans(files, skip)
-    except CheckpointFileError as exc:  # the load reports it, naming the file; this is only a hint
-        logger.info("verl-npu: checkpoint %s not pre-read: %s", hf_dir, exc)
+        plan = _plan(hf_dir, skip)
+    except (OSError, ValueError) as exc:  # the load reports it, naming the file; a prefetch is only a head start
+        logger.info("verl-npu: checkpoint %s not prefetched: %s", hf_dir, exc)
         return None
-    total = sum(nbytes for *_, nbytes in spans)
-    chunks = iter(spans)
-    next_chunk = threading.Lock()
-    started = time.perf_counter()
-
-    def read_chunks() -> None:
-        # several reads in flight, in file order: one sequential reader leaves a parallel disk or filesystem idle
-        buffer = bytearray(CHUNK_BYTES)
-        view = memoryview(buffer)
-        while True:
-            with next_chunk:
-                file, offset, nbytes = next(chunks, (None, 0, 0))
-            if file is None:
-                return
-            try:
-                fd = os.open(file, os.O_RDONLY)
-                try:
-                    os.preadv(fd, [view[:nbytes]], offset)
-                finally:
-                    os.close(fd)
-            except OSError as exc:  # the load reports a real problem with the file; this is only a hint
-                logger.info("verl-npu: pre-reading %s stopped: %s", file, exc)
-                return
-
-    def read_all() -> None:
-        with concurrent.futures.ThreadPoolExecutor(WARM_THREADS, thread_name_prefix="verl-npu-warm") as pool:
-            for reader in [pool.submit(read_chunks) for _ in range(WARM_THREADS)]:
-                reader.result()
-        seconds = time.perf_counter() - started
-        logger.info("verl-npu: pre-read %s (%d bytes) in %.2f s, %.2f GB/s", hf_dir, total, seconds,
-                    total / max(seconds, 1e-9) / 1e9)  # fmt: skip
-
-    thread = threading.Thread(target=read_all, name="verl-npu-warm-checkpoint", daemon=True)
-    thread.start()
-    return thread
+    total, available = sum(nbytes for *_, nbytes in plan), _available_bytes()
+    if not plan or available is None or total > PREFETCH_SHARE_OF_AVAILABLE * available:
+        logger.info("verl-npu: checkpoint %s (%d bytes) not prefetched: %s bytes available", hf_dir, total, available)
+        return None
+    started = Prefetch(hf_dir, plan)
+    with _PREFETCHES_LOCK:
+        _PREFETCHES.append(started)
+    return started

@@ -94,10 +94,10 @@ class ReadRecorder:
 
         original_reads = fast_read.TensorReads.__init__
 
-        def tensor_reads(reads, reader, names, uses=None):
+        def tensor_reads(reads, reader, names, uses=None, device=None):
             names = list(names)
             self.names.extend(names)
-            original_reads(reads, reader, names, uses)
+            original_reads(reads, reader, names, uses, device)
 
         monkeypatch.setattr(SafeTensorIO, "load_some_hf_weight", load_some_hf_weight)
         monkeypatch.setattr(fast_read, "read_tensors", read_tensors)

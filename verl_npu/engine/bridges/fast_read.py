@@ -40,6 +40,8 @@ from mbridge.core.safetensor_io import SafeTensorIO
 logger = logging.getLogger(__name__)
 CHUNK_BYTES = 64 << 20
 READ_THREADS = 8
+COPY_THREADS = 4  # host-to-device copies of a load in flight (TensorReads)
+COPY_AHEAD_BYTES = 1 << 30  # device memory the copies may run ahead of the load by
 MAX_HEADER_BYTES = 100 << 20  # safetensors' own limit
 DTYPES = {
     "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
@@ -200,15 +202,71 @@ def read_as_stored(reader: SafeTensorIO, names: Iterable[str]) -> dict[str, torc
     return out
 
 
+class _DeviceCopies:
+    """Copies of the read tensors to the device on COPY_THREADS threads, issued in load order, at most
+    COPY_AHEAD_BYTES of them not yet taken (one larger tensor alone): a copy from pageable host memory runs at a few
+    GB/s on one thread, slower than the disk once the reads are ahead of the load. Room is granted strictly in load
+    order, so the tensor the load waits for is never held up behind later ones."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self._pool = concurrent.futures.ThreadPoolExecutor(COPY_THREADS, thread_name_prefix="verl-npu-copy")
+        self._room = threading.Condition()
+        self._next_ticket = 0
+        self._tickets = 0
+        self._ahead = 0  # bytes copied (or being copied) and not yet taken
+        self._closed = False
+
+    def submit(self, read: concurrent.futures.Future, entry: dict) -> concurrent.futures.Future:
+        ticket, self._tickets = self._tickets, self._tickets + 1
+        return self._pool.submit(self._copy, ticket, read, entry)
+
+    def _copy(self, ticket: int, read: concurrent.futures.Future, entry: dict) -> torch.Tensor | None:
+        nbytes = entry["offsets"][1] - entry["offsets"][0]
+        with self._room:
+            while not self._closed and not (
+                self._next_ticket == ticket and (self._ahead == 0 or self._ahead + nbytes <= COPY_AHEAD_BYTES)
+            ):
+                self._room.wait()
+            if self._closed:
+                return None
+            self._next_ticket += 1
+            self._ahead += nbytes
+            self._room.notify_all()
+        try:
+            return read.result().view(entry["dtype"]).view(entry["shape"]).to(self.device)
+        except BaseException:
+            self.taken(nbytes)
+            raise
+
+    def taken(self, nbytes: int) -> None:
+        with self._room:
+            self._ahead -= nbytes
+            self._room.notify_all()
+
+    def close(self) -> None:
+        with self._room:
+            self._closed = True
+            self._room.notify_all()
+        self._pool.shutdown(wait=True, cancel_futures=True)
+
+
 class TensorReads:
     """The named tensors of ``reader``'s checkpoint, each read as its own task in the order given on READ_THREADS
     threads, each taken as soon as its bytes are in: a load that takes them in that order copies one tensor to the
     device while the next ones are read. A tensor taken ``uses`` times (default once) is then let go. A read that a
-    :func:`prefetch` of the checkpoint has begun is claimed from it instead of issued again.
+    :func:`prefetch` of the checkpoint has begun is claimed from it instead of issued again. With ``device``, the
+    tensors are taken there, copied by :class:`_DeviceCopies` ahead of the load.
 
     Use as a context manager: leaving it waits for the reads in flight and drops those not taken."""
 
-    def __init__(self, reader: SafeTensorIO, names: Iterable[str], uses: dict[str, int] | None = None):
+    def __init__(
+        self,
+        reader: SafeTensorIO,
+        names: Iterable[str],
+        uses: dict[str, int] | None = None,
+        device: torch.device | None = None,
+    ):
         file_of = file_of_name(reader)
         wanted = list(dict.fromkeys(names))
         missing = [n for n in wanted if n not in file_of]
@@ -227,6 +285,7 @@ class TensorReads:
             plan.append((name, path, start, entries[name]))
         self.nbytes = sum(e["offsets"][1] - e["offsets"][0] for *_, e in plan)  # the named tensors' bytes
         self._pool = concurrent.futures.ThreadPoolExecutor(READ_THREADS, thread_name_prefix="verl-npu-read")
+        self._copies = _DeviceCopies(device) if device is not None else None
         self._reads: dict[str, tuple[concurrent.futures.Future, dict]] = {}
         for name, path, start, entry in plan:
             begin, end = entry["offsets"]
@@ -234,6 +293,8 @@ class TensorReads:
             future = _claim_prefetched(path, name, start + begin, end - begin)
             if future is None:
                 future = self._pool.submit(_read_span, Path(path), start + begin, end - begin, 1)
+            if self._copies is not None:
+                future = self._copies.submit(future, entry)
             self._reads[name] = (future, entry)
 
     def take(self, name: str) -> torch.Tensor:
@@ -242,6 +303,8 @@ class TensorReads:
         self._uses[name] -= 1
         if self._uses[name] <= 0:
             del self._reads[name]
+            if self._copies is not None:
+                self._copies.taken(entry["offsets"][1] - entry["offsets"][0])
         return tensor
 
     def __contains__(self, name: str) -> bool:
@@ -251,6 +314,8 @@ class TensorReads:
         return self
 
     def __exit__(self, *exc_info) -> None:
+        if self._copies is not None:
+            self._copies.close()
         self._pool.shutdown(wait=True, cancel_futures=True)
         self._reads.clear()
 

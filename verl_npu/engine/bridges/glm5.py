@@ -390,7 +390,8 @@ class GLM5Bridge(DeepseekV3Bridge):
             n for ns in hf_names.values() for n in fast_load.names_for_device(io, ns) if reads_here
         )
         state = model.state_dict()
-        with TensorReads(io, list(uses), uses) as reads:
+        device = next((p.device for p in model.parameters()), None)
+        with TensorReads(io, list(uses), uses, device) as reads:
             for local, name in names.items():
                 param, shards = state[local], None
                 if reads_here:

@@ -24,10 +24,8 @@ from __future__ import annotations
 import concurrent.futures
 import json
 import logging
-import math
 import os
 import re
-import struct
 import threading
 import time
 from collections import defaultdict
@@ -37,12 +35,14 @@ from pathlib import Path
 import torch
 from mbridge.core.safetensor_io import SafeTensorIO
 
+from verl_npu import safetensors_header
+from verl_npu.safetensors_header import CheckpointFileError
+
 logger = logging.getLogger(__name__)
 CHUNK_BYTES = 64 << 20
 READ_THREADS = 8
 COPY_THREADS = 4  # host-to-device copies of a load in flight (TensorReads)
 COPY_AHEAD_BYTES = 1 << 30  # device memory the copies may run ahead of the load by
-MAX_HEADER_BYTES = 100 << 20  # safetensors' own limit
 DTYPES = {
     "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
     "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2, "I64": torch.int64, "I32": torch.int32,
@@ -50,55 +50,11 @@ DTYPES = {
 }  # fmt: skip
 
 
-class CheckpointFileError(ValueError):
-    """A safetensors file that cannot be what it claims."""
-
-
 def read_header(path: str | os.PathLike) -> tuple[dict[str, dict], int]:
-    """(name -> {"dtype", "shape", "offsets"} checked against the file's size, the data section's start)."""
-    path = Path(path)
-    size = path.stat().st_size
-    with open(path, "rb") as f:
-        prefix = f.read(8)
-        if len(prefix) < 8:
-            raise CheckpointFileError(f"{path}: {size} bytes, shorter than a safetensors header length")
-        (length,) = struct.unpack("<Q", prefix)
-        if length > MAX_HEADER_BYTES or 8 + length > size:
-            raise CheckpointFileError(f"{path}: header of {length} bytes in a file of {size} bytes")
-        try:
-            header = json.loads(f.read(length))
-        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-            raise CheckpointFileError(f"{path}: the header is not JSON ({exc})") from None
-    if not isinstance(header, dict):
-        raise CheckpointFileError(f"{path}: the header is not a JSON object")
-    start, data = 8 + length, size - 8 - length
-    tensors = {}
-    for name, entry in header.items():
-        if name == "__metadata__":
-            continue
-        tensors[name] = _checked_entry(path, name, entry, data)
-    return tensors, start
-
-
-def _checked_entry(path: Path, name: str, entry: object, data: int) -> dict:
-    if not isinstance(entry, dict) or not {"dtype", "shape", "data_offsets"} <= entry.keys():
-        raise CheckpointFileError(f"{path}: tensor {name!r} has no dtype, shape and data_offsets")
-    dtype = DTYPES.get(entry["dtype"])
-    if dtype is None:
-        raise CheckpointFileError(f"{path}: tensor {name!r} has dtype {entry['dtype']!r}; known: {', '.join(DTYPES)}")
-    shape, offsets = entry["shape"], entry["data_offsets"]
-    if not (isinstance(shape, list) and all(type(d) is int and d >= 0 for d in shape)):
-        raise CheckpointFileError(f"{path}: tensor {name!r} has shape {shape!r}")
-    if not (isinstance(offsets, list) and len(offsets) == 2 and all(type(o) is int for o in offsets)):
-        raise CheckpointFileError(f"{path}: tensor {name!r} has data_offsets {offsets!r}")
-    begin, end = offsets
-    expected = math.prod(shape) * dtype.itemsize
-    if not 0 <= begin <= end <= data or end - begin != expected:
-        raise CheckpointFileError(
-            f"{path}: tensor {name!r} ({entry['dtype']} {shape}) spans bytes [{begin}, {end}) of a {data}-byte data "
-            f"section; its shape needs {expected} bytes"
-        )
-    return {"dtype": dtype, "shape": shape, "offsets": (begin, end)}
+    """(name -> {"dtype": a torch dtype, "shape", "offsets"}, the data section's start): the header checked against
+    the file's size (verl_npu.safetensors_header)."""
+    entries, start = safetensors_header.read_header(path)
+    return {name: {**entry, "dtype": DTYPES[entry["dtype"]]} for name, entry in entries.items()}, start
 
 
 def _read_span(path: Path, start: int, nbytes: int, threads: int) -> torch.Tensor:
@@ -205,27 +161,30 @@ def read_as_stored(reader: SafeTensorIO, names: Iterable[str]) -> dict[str, torc
 class _DeviceCopies:
     """Copies of the read tensors to the device on COPY_THREADS threads, issued in load order, at most
     COPY_AHEAD_BYTES of them not yet taken (one larger tensor alone): a copy from pageable host memory runs at a few
-    GB/s on one thread, slower than the disk once the reads are ahead of the load. Room is granted strictly in load
-    order, so the tensor the load waits for is never held up behind later ones."""
+    GB/s on one thread, slower than the disk once the reads are ahead of the load. Room is granted strictly in
+    ticket (load) order, and a tensor the load asks for gets it at once with every earlier one, so the load never
+    waits on room that only its own later takes would free."""
 
     def __init__(self, device: torch.device):
         self.device = device
         self._pool = concurrent.futures.ThreadPoolExecutor(COPY_THREADS, thread_name_prefix="verl-npu-copy")
         self._room = threading.Condition()
-        self._next_ticket = 0
+        self._next_ticket = 0  # the next copy to get room
         self._tickets = 0
+        self._wanted = -1  # the latest ticket the load has asked for
         self._ahead = 0  # bytes copied (or being copied) and not yet taken
         self._closed = False
 
-    def submit(self, read: concurrent.futures.Future, entry: dict) -> concurrent.futures.Future:
+    def submit(self, read: concurrent.futures.Future, entry: dict) -> tuple[int, concurrent.futures.Future]:
         ticket, self._tickets = self._tickets, self._tickets + 1
-        return self._pool.submit(self._copy, ticket, read, entry)
+        return ticket, self._pool.submit(self._copy, ticket, read, entry)
 
     def _copy(self, ticket: int, read: concurrent.futures.Future, entry: dict) -> torch.Tensor | None:
         nbytes = entry["offsets"][1] - entry["offsets"][0]
         with self._room:
             while not self._closed and not (
-                self._next_ticket == ticket and (self._ahead == 0 or self._ahead + nbytes <= COPY_AHEAD_BYTES)
+                self._next_ticket == ticket
+                and (ticket <= self._wanted or self._ahead == 0 or self._ahead + nbytes <= COPY_AHEAD_BYTES)
             ):
                 self._room.wait()
             if self._closed:
@@ -238,6 +197,12 @@ class _DeviceCopies:
         except BaseException:
             self.taken(nbytes)
             raise
+
+    def want(self, ticket: int) -> None:
+        with self._room:
+            if ticket > self._wanted:
+                self._wanted = ticket
+                self._room.notify_all()
 
     def taken(self, nbytes: int) -> None:
         with self._room:
@@ -286,25 +251,29 @@ class TensorReads:
         self.nbytes = sum(e["offsets"][1] - e["offsets"][0] for *_, e in plan)  # the named tensors' bytes
         self._pool = concurrent.futures.ThreadPoolExecutor(READ_THREADS, thread_name_prefix="verl-npu-read")
         self._copies = _DeviceCopies(device) if device is not None else None
-        self._reads: dict[str, tuple[concurrent.futures.Future, dict]] = {}
+        self._reads: dict[str, tuple[concurrent.futures.Future, dict, int | None]] = {}
         for name, path, start, entry in plan:
             begin, end = entry["offsets"]
             # one thread per tensor: the pool's threads read several tensors at once
             future = _claim_prefetched(path, name, start + begin, end - begin)
             if future is None:
                 future = self._pool.submit(_read_span, Path(path), start + begin, end - begin, 1)
+            ticket = None
             if self._copies is not None:
-                future = self._copies.submit(future, entry)
-            self._reads[name] = (future, entry)
+                ticket, future = self._copies.submit(future, entry)
+            self._reads[name] = (future, entry, ticket)
 
     def take(self, name: str) -> torch.Tensor:
-        future, entry = self._reads[name]
+        future, entry, ticket = self._reads[name]
+        if ticket is not None:
+            self._copies.want(ticket)
         tensor = future.result().view(entry["dtype"]).view(entry["shape"])
+        if ticket is not None:  # its first take: the load holds it from now on
+            self._reads[name] = (future, entry, None)
+            self._copies.taken(entry["offsets"][1] - entry["offsets"][0])
         self._uses[name] -= 1
         if self._uses[name] <= 0:
             del self._reads[name]
-            if self._copies is not None:
-                self._copies.taken(entry["offsets"][1] - entry["offsets"][0])
         return tensor
 
     def __contains__(self, name: str) -> bool:

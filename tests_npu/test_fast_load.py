@@ -7,9 +7,11 @@ tests_npu/test_glm5_2_bridge.py; bench/rl_step.py checks both engines' exports a
 
 from __future__ import annotations
 
+import collections
 import json
 import os
 import struct
+import threading
 from pathlib import Path
 
 import pytest
@@ -91,31 +93,164 @@ def test_a_name_the_file_lacks_and_a_truncated_file_are_errors(tmp_path):
         fast_read.read_tensors(path, ["w"])
 
 
-def test_the_page_cache_is_warmed_by_one_process_per_node_and_only_within_the_memory_share(tmp_path, monkeypatch):
-    save_file({"w": torch.ones(1000)}, str(tmp_path / "m.safetensors"))
-    save_file({"v": torch.ones(300)}, str(tmp_path / "n.safetensors"))
-    monkeypatch.setenv("LOCAL_RANK", "0")
-    monkeypatch.setattr(fast_read, "_available_bytes", lambda: 1 << 30)
-    monkeypatch.setattr(fast_read, "CHUNK_BYTES", 1024)  # several chunks per file, several readers
+def test_the_loader_maps_every_dtype_the_header_check_knows_to_a_torch_dtype_of_its_size():
+    from verl_npu import safetensors_header
+
+    assert fast_read.DTYPES.keys() == safetensors_header.DTYPE_SIZES.keys()
+    assert all(fast_read.DTYPES[name].itemsize == size for name, size in safetensors_header.DTYPE_SIZES.items())
+
+
+def recording_reads(monkeypatch) -> list[tuple[str, int, int]]:
+    """(file name, offset, bytes) of every ``os.preadv`` from now on."""
     reads = []
     real_preadv = os.preadv
 
     def recording_preadv(fd, buffers, offset):
-        reads.append((Path(os.readlink(f"/proc/self/fd/{fd}")).name, offset))
+        reads.append((Path(os.readlink(f"/proc/self/fd/{fd}")).name, offset, sum(len(b) for b in buffers)))
         return real_preadv(fd, buffers, offset)
 
     monkeypatch.setattr(os, "preadv", recording_preadv)
-    thread = fast_read.warm_page_cache(tmp_path)
-    thread.join(timeout=30)
-    expected = [
-        (f.name, offset) for f in sorted(tmp_path.glob("*.safetensors")) for offset in range(0, f.stat().st_size, 1024)
-    ]
-    assert not thread.is_alive() and sorted(reads) == expected  # every chunk of every file, each once
-    monkeypatch.setattr(fast_read, "_available_bytes", lambda: 4000)  # 4000 * 0.5 < the file's 4 kB
-    assert fast_read.warm_page_cache(tmp_path) is None
+    return reads
+
+
+def bytes_read(reads: list[tuple[str, int, int]]) -> collections.Counter:
+    """How often each (file name, byte offset) was read."""
+    return collections.Counter((file, byte) for file, offset, n in reads for byte in range(offset, offset + n))
+
+
+def tensor_bytes(path: Path, names: list[str] | None = None) -> set[tuple[str, int]]:
+    entries, start = fast_read.read_header(path)
+    return {
+        (path.name, start + byte)
+        for name, entry in entries.items()
+        if names is None or name in names
+        for byte in range(*entry["offsets"])
+    }
+
+
+@pytest.fixture
+def node_rank_zero(monkeypatch):
+    """The process that prefetches for its node, with plenty of memory available."""
+    monkeypatch.setenv("LOCAL_RANK", "0")
     monkeypatch.setattr(fast_read, "_available_bytes", lambda: 1 << 30)
-    monkeypatch.setenv("LOCAL_RANK", "3")  # another rank of the node: the page cache is shared
-    assert fast_read.warm_page_cache(tmp_path) is None
+
+
+def two_files(tmp_path: Path) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(5)
+    tensors = {"w": torch.randn(1000, generator=g), "v": torch.randn(300, generator=g), "u": torch.arange(50)}
+    save_file({"w": tensors["w"], "v": tensors["v"]}, str(tmp_path / "m.safetensors"))
+    save_file({"u": tensors["u"]}, str(tmp_path / "n.safetensors"))
+    return tensors
+
+
+@pytest.mark.usefixtures("node_rank_zero")
+def test_a_load_claims_the_prefetched_reads_so_the_disk_reads_no_byte_twice(tmp_path, monkeypatch):
+    from mbridge.core.safetensor_io import SafeTensorIO
+
+    tensors = two_files(tmp_path)
+    reads = recording_reads(monkeypatch)
+    prefetch = fast_read.prefetch(tmp_path)
+    try:
+        assert prefetch.nbytes == sum(t.nbytes for t in tensors.values())
+        with fast_read.TensorReads(SafeTensorIO(str(tmp_path)), ["u", "w", "v"]) as loaded:
+            for name in ("u", "w", "v"):
+                assert torch.equal(loaded.take(name), tensors[name]), name
+        assert prefetch.claimed_bytes == prefetch.nbytes
+    finally:
+        prefetch.close()
+    counts = bytes_read(reads)
+    assert set(counts) == tensor_bytes(tmp_path / "m.safetensors") | tensor_bytes(tmp_path / "n.safetensors")
+    assert set(counts.values()) == {1}  # every tensor byte once: the load read nothing itself
+    assert not fast_read._PREFETCHES  # closed: forgotten
+
+    reads.clear()  # a load after the close reads for itself
+    with fast_read.TensorReads(SafeTensorIO(str(tmp_path)), ["w"]) as loaded:
+        assert torch.equal(loaded.take("w"), tensors["w"])
+    assert set(bytes_read(reads)) == tensor_bytes(tmp_path / "m.safetensors", ["w"])
+
+
+@pytest.mark.usefixtures("node_rank_zero")
+def test_a_file_that_changed_since_the_prefetch_is_read_again(tmp_path, caplog):
+    from mbridge.core.safetensor_io import SafeTensorIO
+
+    two_files(tmp_path)
+    prefetch = fast_read.prefetch(tmp_path)
+    try:
+        newer = {"w": torch.full((1000,), 7.0), "v": torch.full((300,), -1.0)}  # same layout, other values
+        save_file(newer, str(tmp_path / "m.safetensors"))
+        stat = (tmp_path / "m.safetensors").stat()
+        os.utime(tmp_path / "m.safetensors", ns=(stat.st_atime_ns, stat.st_mtime_ns + 10**9))
+        reader = SafeTensorIO(str(tmp_path))
+        with caplog.at_level("WARNING", logger=fast_read.__name__), fast_read.TensorReads(reader, ["w", "u"]) as loaded:
+            assert torch.equal(loaded.take("w"), newer["w"]) and torch.equal(loaded.take("u"), torch.arange(50))
+        assert "m.safetensors changed since it was prefetched" in caplog.text
+        assert prefetch.claimed_bytes == 50 * 8  # only n.safetensors' u
+    finally:
+        prefetch.close()
+
+
+def test_the_prefetch_runs_on_one_process_per_node_and_only_within_the_memory_share(tmp_path, monkeypatch, caplog):
+    two_files(tmp_path)
+    monkeypatch.setattr(fast_read, "_available_bytes", lambda: 1 << 30)
+    monkeypatch.setenv("LOCAL_RANK", "3")  # another rank of the node: rank 0's reads warm the shared page cache
+    assert fast_read.prefetch(tmp_path) is None
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    monkeypatch.setattr(fast_read, "_available_bytes", lambda: 10_000)  # 10 kB * 0.5 < the tensors' 5.6 kB
+    assert fast_read.prefetch(tmp_path) is None
+    monkeypatch.setattr(fast_read, "_available_bytes", lambda: 1 << 30)
+    (tmp_path / "n.safetensors").write_bytes(b"\x01")  # the load reports the file by name; no prefetch
+    with caplog.at_level("INFO", logger=fast_read.__name__):
+        assert fast_read.prefetch(tmp_path) is None
+    assert "n.safetensors: 1 bytes, shorter than a safetensors header length" in caplog.text
+
+
+@pytest.mark.usefixtures("node_rank_zero")
+def test_the_prefetch_reads_the_indexed_tensors_but_those_of_layers_the_model_does_not_build(tmp_path, monkeypatch):
+    from types import SimpleNamespace
+
+    layers = {f"model.layers.{i}.{w}": torch.full((300,), float(i)) for i in range(4) for w in ("a.weight", "b.weight")}
+    save_file({**layers, "model.embed_tokens.weight": torch.ones(200)}, str(tmp_path / "m.safetensors"))
+    save_file({"model.norm.weight": torch.ones(64)}, str(tmp_path / "stale.safetensors"))  # no index entry names it
+    index = {"weight_map": {name: "m.safetensors" for name in [*layers, "model.embed_tokens.weight"]}}
+    (tmp_path / "model.safetensors.index.json").write_text(json.dumps(index))
+    reads = recording_reads(monkeypatch)
+    # two decoder layers and one MTP layer trained: layer 3 (a second MTP layer) is not built
+    skip = fast_read.unloaded_layers(SimpleNamespace(num_hidden_layers=2, num_nextn_predict_layers=1))
+    assert [skip(n) for n in ("model.layers.2.a.weight", "model.layers.3.a.weight", "lm_head.weight")] == [
+        False, True, False,
+    ]  # fmt: skip
+    prefetch = fast_read.prefetch(tmp_path, skip)
+    prefetch.close()  # cancels what has not started
+    prefetch._pool.shutdown(wait=True)  # the reads in flight end
+    wanted = [name for name in index["weight_map"] if not skip(name)]
+    assert prefetch.nbytes == sum(300 * 4 for n in wanted if "layers" in n) + 200 * 4
+    assert set(bytes_read(reads)) <= tensor_bytes(tmp_path / "m.safetensors", wanted)  # neither layer 3 nor stale
+
+
+def test_device_copies_run_ahead_within_their_room_and_never_hold_up_the_load(tmp_path, monkeypatch):
+    from mbridge.core.safetensor_io import SafeTensorIO
+
+    tensors = {f"t{i}": torch.full((100 + i,), float(i)) for i in range(12)}
+    save_file(tensors, str(tmp_path / "m.safetensors"))
+    monkeypatch.setattr(fast_read, "COPY_AHEAD_BYTES", 900)  # two tensors of ~400 bytes at a time
+    reader = SafeTensorIO(str(tmp_path))
+    order = list(tensors)
+    outcome = {}
+
+    def load(names: list[str], uses: dict[str, int]) -> None:
+        with fast_read.TensorReads(reader, order, uses, torch.device("cpu")) as loaded:
+            outcome["values"] = [(name, loaded.take(name)) for name in names]
+
+    # in load order; then out of order and a tensor taken twice (tied embeddings): never a wait on room
+    # that only a later take would free
+    for names, uses in ((order, {}), ([*reversed(order), "t0"], {"t0": 2})):
+        outcome.clear()
+        worker = threading.Thread(target=load, args=(names, uses), daemon=True)
+        worker.start()
+        worker.join(timeout=60)
+        assert not worker.is_alive(), f"the load hung taking {names}"
+        assert [name for name, _ in outcome["values"]] == names
+        assert all(torch.equal(value, tensors[name]) for name, value in outcome["values"])
 
 
 # --- a model through the bridge ---------------------------------------------------------------------------------
@@ -143,11 +278,16 @@ def dense_dir(tmp_path_factory):
     return path
 
 
-@pytest.mark.usefixtures("cpu_megatron_harness")
-def test_the_engine_loads_a_dense_model_bit_identically_to_mbridges_loader(dense_dir):
+@pytest.mark.usefixtures("cpu_megatron_harness", "node_rank_zero")
+def test_the_engine_loads_a_dense_model_bit_identically_to_mbridges_loader(dense_dir, monkeypatch):
     from mbridge.core.bridge import Bridge
 
+    closed = []  # the engine's prefetch, as its load left it
+    close = fast_read.Prefetch.close
+    monkeypatch.setattr(fast_read.Prefetch, "close", lambda p: closed.append((p.claimed_bytes, p.nbytes)) or close(p))
     engine = cpu_engine(dense_dir)
+    files = sorted(dense_dir.glob("*.safetensors"))
+    assert closed == [(sum(len(tensor_bytes(f)) for f in files),) * 2]  # every byte the load read was prefetched
     bridge = engine.bridge
     assert bridge.load_weights.func is fast_load.load_weights  # what the engine bound, and loaded with
     assert bridge.export_weights.func is fast_export.export_weights  # and what it streams to the rollout with
@@ -189,7 +329,7 @@ def test_a_bridge_with_a_loader_of_its_own_keeps_it():
         ({"get_expert_tensor_parallel_rank": 1}, False),
     ],
 )
-def test_the_engine_warms_the_page_cache_only_where_the_process_loads_the_whole_checkpoint(monkeypatch, layout, whole):
+def test_the_engine_prefetches_only_where_the_process_loads_the_whole_checkpoint(monkeypatch, layout, whole):
     from megatron.core import parallel_state as mpu
 
     from verl_npu.engine.verl_engine import loads_whole_checkpoint
@@ -220,36 +360,3 @@ def test_tensor_reads_give_each_tensor_as_stored_as_often_as_it_is_taken(tmp_pat
             reads.take("a")
     with pytest.raises(ValueError, match=r"Weights \['z'\] not found"):
         fast_read.TensorReads(reader, ["a", "z"])
-
-
-def test_the_warm_up_reads_every_tensor_but_those_of_layers_the_model_does_not_build(tmp_path, monkeypatch):
-    from types import SimpleNamespace
-
-    layers = {f"model.layers.{i}.{w}": torch.full((300,), float(i)) for i in range(4) for w in ("a.weight", "b.weight")}
-    save_file({**layers, "model.embed_tokens.weight": torch.ones(200)}, str(tmp_path / "m.safetensors"))
-    monkeypatch.setenv("LOCAL_RANK", "0")
-    monkeypatch.setattr(fast_read, "_available_bytes", lambda: 1 << 30)
-    monkeypatch.setattr(fast_read, "CHUNK_BYTES", 1000)  # spans cut into several reads
-    reads = []
-    real_preadv = os.preadv
-
-    def recording_preadv(fd, buffers, offset):
-        reads.append((offset, sum(len(b) for b in buffers)))
-        return real_preadv(fd, buffers, offset)
-
-    monkeypatch.setattr(os, "preadv", recording_preadv)
-    # two decoder layers and one MTP layer trained: layer 3 (a second MTP layer) is not built
-    skip = fast_read.unloaded_layers(SimpleNamespace(num_hidden_layers=2, num_nextn_predict_layers=1))
-    assert [skip(n) for n in ("model.layers.2.a.weight", "model.layers.3.a.weight", "lm_head.weight")] == [
-        False, True, False,
-    ]  # fmt: skip
-    fast_read.warm_page_cache(tmp_path, skip).join(timeout=30)
-    entries, start = fast_read.read_header(tmp_path / "m.safetensors")
-    read_bytes = set()
-    for offset, nbytes in reads:
-        read_bytes.update(range(offset, offset + nbytes))
-    for name, entry in entries.items():
-        begin, end = entry["offsets"]
-        wanted = set(range(start + begin, start + end))
-        assert (wanted <= read_bytes) is (not skip(name)) and (wanted.isdisjoint(read_bytes) is skip(name)), name
-    assert max(nbytes for _, nbytes in reads) <= 1000

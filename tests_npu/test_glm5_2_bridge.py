@@ -69,7 +69,8 @@ def trained(glm5_2, checkpoint) -> set[str]:
 
 class ReadRecorder:
     """Records every tensor name read from a checkpoint file: through mbridge's reader, or through the engine's
-    (verl_npu.engine.bridges.fast_read.read_tensors, which the bridge's readers and its loader call)."""
+    (verl_npu.engine.bridges.fast_read: ``read_tensors``, which the bridge's readers call, and ``TensorReads``, which
+    its loader reads with)."""
 
     def __init__(self):
         self.names: list[str] = []
@@ -91,8 +92,16 @@ class ReadRecorder:
             self.names.extend(names)
             return original_read(path, names, threads)
 
+        original_reads = fast_read.TensorReads.__init__
+
+        def tensor_reads(reads, reader, names, uses=None, device=None):
+            names = list(names)
+            self.names.extend(names)
+            original_reads(reads, reader, names, uses, device)
+
         monkeypatch.setattr(SafeTensorIO, "load_some_hf_weight", load_some_hf_weight)
         monkeypatch.setattr(fast_read, "read_tensors", read_tensors)
+        monkeypatch.setattr(fast_read.TensorReads, "__init__", tensor_reads)
         return self
 
 

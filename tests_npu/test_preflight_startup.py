@@ -1,7 +1,7 @@
 """Preflight's start-up estimate: the checkpoint bytes each node loads, the read rate, the HCCL timeouts it needs.
 
-Hand-computed byte counts for a dense model and for the GLM-5.2 example's layout, where the engine's page-cache
-warm-up runs (it adds no bytes), FP8 block checkpoints, a local safetensors checkpoint counted from its index and
+Hand-computed byte counts for a dense model and for the GLM-5.2 example's layout, where the engine's
+prefetch runs (it adds no bytes), FP8 block checkpoints, a local safetensors checkpoint counted from its index and
 headers, every verdict on both sides of its limit, bad option and environment values, and the CLI on the example
 (docs/preflight_startup.md).
 """
@@ -26,7 +26,7 @@ from verl_npu.preflight.model_shape import ModelShape
 from verl_npu.preflight.startup import (
     ENGINE_SHARE_OF_DISK_RATE,
     GB,
-    WARM_SHARE_OF_AVAILABLE,
+    PREFETCH_SHARE_OF_AVAILABLE,
     CheckpointError,
     NodeRead,
     StartupEstimate,
@@ -121,8 +121,8 @@ def test_fp8_block_checkpoints_store_projections_as_one_byte_and_a_scale_per_128
         Storage.of({"quantization_config": {"quant_method": "fp8", "weight_block_size": 128}})
 
 
-# --- the page-cache warm-up -----------------------------------------------------------------------------------
-def test_the_glm5_2_example_reads_its_ranks_shards_and_the_warm_up_never_runs(glm52):
+# --- the prefetch --------------------------------------------------------------------------------------------
+def test_the_glm5_2_example_reads_its_ranks_shards_and_the_prefetch_never_runs(glm52):
     estimate, checks = estimate_startup(glm52, {}, glm52_mesh(), 16, read_gbps=1.0, checkpoint_dir=None)
     assert estimate.shard_bytes == 52_461_735_424 and estimate.checkpoint_bytes == 1_486_754_001_408
     assert estimate.pre_read_nodes == 0 and estimate.reads == "the union of its ranks' shards"  # PP 8, EP 64
@@ -132,11 +132,11 @@ def test_the_glm5_2_example_reads_its_ranks_shards_and_the_warm_up_never_runs(gl
     assert "52.5 GB at 1 GB/s x 0.61" in load.detail and "= 233 s" in load.detail
 
 
-def test_the_warm_up_runs_where_local_rank_0_loads_the_whole_checkpoint_and_adds_no_bytes(dense):
+def test_the_prefetch_runs_where_local_rank_0_loads_the_whole_checkpoint_and_adds_no_bytes(dense):
     parts = model_bytes(dense, BF16)
     one_stage = mesh(16, tp=2)  # PP 1, EP 1: each node's LOCAL_RANK 0 is TP rank 0 of the only stage
     assert pre_reading_nodes(one_stage, 8) == 2
-    assert [r.bytes for r in node_reads(dense, parts, one_stage, 8)] == [parts.total] * 2  # whole, warm-up or not
+    assert [r.bytes for r in node_reads(dense, parts, one_stage, 8)] == [parts.total] * 2  # whole, prefetched or not
     assert pre_reading_nodes(mesh(16, tp=16), 8) == 1  # node 1's LOCAL_RANK 0 is TP rank 8: it loads lm_head only
     assert pre_reading_nodes(mesh(16, tp=2, etp=4), 2) == 4  # expert-TP rank 0 as well: ranks 0, 4, 8, 12
     assert pre_reading_nodes(mesh(16, tp=2, pp=2), 8) == pre_reading_nodes(mesh(16, tp=2, ep=2), 8) == 0
@@ -144,7 +144,7 @@ def test_the_warm_up_runs_where_local_rank_0_loads_the_whole_checkpoint_and_adds
     assert estimate.shard_bytes == estimate.checkpoint_bytes == round(parts.total)
     assert estimate.reads == (
         "the union of its ranks' shards; PP=1 and EP=1: on the 2 of 2 node(s) whose LOCAL_RANK 0 loads the whole "
-        "checkpoint, the engine pre-reads it into the page cache during the build (when it is under 0.5 of "
+        "checkpoint, the engine prefetches it into host memory during the build (when it is under 0.5 of "
         "MemAvailable), overlapping the read with the build: the bytes are the same"
     )
     assert estimate.to_dict()["reads"] == estimate.reads and estimate.to_dict()["pre_read_nodes"] == 2
@@ -158,7 +158,9 @@ def test_the_constants_are_the_engines_measured_ones():
     # the slowest of the committed runs: a timeout derived from it holds on the others
     assert math.floor(min(load["fraction_of_limit"] for load in measured) * 100) / 100 == ENGINE_SHARE_OF_DISK_RATE
     fast_read = (REPO / "verl_npu" / "engine" / "bridges" / "fast_read.py").read_text()
-    assert float(re.search(r"^WARM_SHARE_OF_AVAILABLE = ([0-9.]+)", fast_read, re.M)[1]) == WARM_SHARE_OF_AVAILABLE
+    assert (
+        float(re.search(r"^PREFETCH_SHARE_OF_AVAILABLE = ([0-9.]+)", fast_read, re.M)[1]) == PREFETCH_SHARE_OF_AVAILABLE
+    )
 
 
 # --- a checkpoint on this machine ------------------------------------------------------------------------------

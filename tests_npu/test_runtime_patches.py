@@ -16,6 +16,7 @@ from verl_npu.runtime_patches import (
     dsa_call_context,
     dsa_indexer_rotation,
     dsa_local_spec,
+    mbridge_instance_mapping,
     ray_runtime_env,
     rope_cpu_init,
 )
@@ -308,3 +309,40 @@ def test_the_megatron_core_gate_is_the_pinned_release():
     from verl_npu.stack import load_stack
 
     assert MEGATRON_CORE["megatron-core"] == "==" + load_stack().expected_versions("dev")["megatron-core"]
+
+
+# --- mbridge's name table per bridge --------------------------------------------------------------------------
+
+
+def qwen2_output_layer_source(tie: bool) -> list[str]:
+    """The HF tensor a new Qwen2 bridge maps megatron's output layer to (mbridge's own mapping code)."""
+    from mbridge.core.parallel_states import ParallelStates
+    from mbridge.models.qwen2 import Qwen2Bridge
+    from transformers import Qwen2Config
+
+    config = Qwen2Config(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                         num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=tie)  # fmt: skip
+    bridge = Qwen2Bridge(config, parallel_states=ParallelStates())
+    return bridge._weight_name_mapping_mcore_to_hf("output_layer.weight")
+
+
+def test_a_tied_qwen2_bridge_ties_every_later_one_upstream_and_only_itself_with_the_patch():
+    from mbridge.models.qwen2 import Qwen2Bridge
+
+    table = Qwen2Bridge._DIRECT_MAPPING
+    before = dict(table)
+    try:
+        with without(mbridge_instance_mapping.PATCH):
+            assert qwen2_output_layer_source(tie=True) == ["model.embed_tokens.weight"]
+            # mbridge 0.15.1: the tied bridge wrote into the class's table; an untied critic now loads its head from
+            # the embedding
+            assert qwen2_output_layer_source(tie=False) == ["model.embed_tokens.weight"]
+        table.clear()
+        table.update(before)
+
+        assert qwen2_output_layer_source(tie=True) == ["model.embed_tokens.weight"]
+        assert qwen2_output_layer_source(tie=False) == ["lm_head.weight"]
+        assert before == Qwen2Bridge._DIRECT_MAPPING  # the class table untouched
+    finally:
+        table.clear()
+        table.update(before)

@@ -63,7 +63,7 @@ def build(model: str, seed: int = 1) -> tuple[Any, list[torch.nn.Module]]:
     from verl_npu.engine.mbridge_local import build_on_local_spec
 
     config = hf_config(model)
-    bridge = _without_touching_the_class_mapping(lambda: AutoBridge.from_config(config, dtype=torch.bfloat16))
+    bridge = AutoBridge.from_config(config, dtype=torch.bfloat16)  # its own name table (mbridge-instance-name-table)
     bridge.set_extra_args(
         use_cpu_initialization=True, moe_token_dispatcher_type="allgather", variable_seq_lengths=False
     )
@@ -77,24 +77,6 @@ def build(model: str, seed: int = 1) -> tuple[Any, list[torch.nn.Module]]:
             if name.endswith("expert_bias"):
                 buffer.copy_(torch.randn(buffer.shape, generator=generator))
     return bridge, models
-
-
-def _without_touching_the_class_mapping(make: Any) -> Any:
-    """The bridge ``make()`` builds, with mbridge 0.15.1's class-level name table left as it was.
-
-    mbridge's Qwen2 bridge ties the embeddings of a ``tie_word_embeddings`` model by writing into its class's
-    ``_DIRECT_MAPPING`` (``Qwen2Bridge._adjust_mapping_for_shared_weights``), so every later Qwen2 bridge of the
-    process would load its output layer from the embedding. This model ties them; the instance keeps its tied table."""
-    from mbridge.models.qwen2 import Qwen2Bridge
-
-    table = Qwen2Bridge._DIRECT_MAPPING
-    before = dict(table)
-    bridge = make()
-    if bridge.__dict__.get("_DIRECT_MAPPING") is None and table != before:
-        bridge._DIRECT_MAPPING = dict(table)
-        table.clear()
-        table.update(before)
-    return bridge
 
 
 def mbridge_export(bridge: Any, models: list[torch.nn.Module]) -> list[tuple[str, torch.Tensor]]:

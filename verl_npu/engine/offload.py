@@ -288,12 +288,16 @@ class OffloadManager:
         )
         return None
 
-    def _arena(self, kind: str) -> HostArena:
-        need = self._arena_bytes(kind)
+    def _settled_arena(self, kind: str) -> HostArena | None:
+        """The arena of ``kind``, once its background allocation (if one is under way) has finished."""
         pending = self._pending_arenas.pop(kind, None)
         if pending is not None:
             self._arenas[kind] = pending.result()
-        arena = self._arenas.get(kind)
+        return self._arenas.get(kind)
+
+    def _arena(self, kind: str) -> HostArena:
+        need = self._arena_bytes(kind)
+        arena = self._settled_arena(kind)
         if arena is not None and arena.nbytes < need:
             logger.info("verl-npu offload: %s arena grows from %d to %d bytes", kind, arena.nbytes, need)
             self._release([self._arenas.pop(kind)])
@@ -408,10 +412,7 @@ class OffloadManager:
         for kind in kinds:
             if self._on_host[kind]:
                 continue
-            pending = self._pending_arenas.pop(kind, None)
-            if pending is not None:
-                self._arenas[kind] = pending.result()
-            arena = self._arenas.get(kind)
+            arena = self._settled_arena(kind)
             if arena is not None:
                 regions.extend(arena.chunks)
         return regions

@@ -52,6 +52,7 @@ class NPUMegatronEngineMixin:
     """
 
     _offload_manager: OffloadManager | None = None
+    _prefetch: fast_read.Prefetch | None = None
 
     def _init_device_mesh(self):
         self.build_plan = build_plan(
@@ -65,11 +66,11 @@ class NPUMegatronEngineMixin:
         build.enter_mindspeed(self.build_plan)
         logger.info("verl-npu engine build plan: %s", self.build_plan)
         super()._init_device_mesh()
-        # the HF checkpoint is read once the model is built: meanwhile the disk warms the page cache, where this
-        # process reads all of it anyway (pre-reading more than the node loads would multiply the storage's traffic)
+        # the HF checkpoint is read once the model is built: its reads start now, while the model builds, where this
+        # process reads all of it anyway (reading ahead more than the node loads would multiply the storage's traffic)
         if not self.engine_config.use_dist_checkpointing and loads_whole_checkpoint():
             skip = fast_read.unloaded_layers(self.model_config.hf_config)  # MTP layers the model does not build
-            fast_read.warm_page_cache(self.model_config.local_path, skip)
+            self._prefetch = fast_read.prefetch(self.model_config.local_path, skip)
 
     def _build_tf_config(self):
         super()._build_tf_config()
@@ -81,7 +82,12 @@ class NPUMegatronEngineMixin:
             logger.info("verl-npu engine: %s exports with the metadata exchanged once", type(self.bridge).__name__)
 
     def _build_megatron_module(self):
-        module = super()._build_megatron_module()
+        try:
+            module = super()._build_megatron_module()  # builds, then loads the HF checkpoint
+        finally:
+            if self._prefetch is not None:  # what the load did not claim is let go
+                self._prefetch.close()
+                self._prefetch = None
         build.adapt_module(self.bridge, module)
         return module
 

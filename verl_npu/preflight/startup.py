@@ -4,7 +4,7 @@ verl-npu's engine loads the HF checkpoint the way mbridge decides who reads what
 tensor-parallel rank 0 of each pipeline stage reads every non-expert tensor of its stage's layers whole and scatters
 the shards over its TP group; expert-TP rank 0 of each expert-parallel rank reads its local experts; every TP rank of
 the last stage reads ``lm_head``; TP rank 0 of the first stage reads the embedding. A node reads the union of what its
-ranks load. The engine's page-cache warm-up (fast_read.warm_page_cache) runs only on a LOCAL_RANK 0 that loads the
+ranks load. The engine's prefetch (fast_read.prefetch) runs only on a LOCAL_RANK 0 that loads the
 whole checkpoint itself (one pipeline stage, no expert parallelism, TP and expert-TP rank 0:
 verl_engine.loads_whole_checkpoint): it reads that node's bytes early, overlapping the build, and adds none.
 
@@ -22,7 +22,6 @@ import dataclasses
 import json
 import math
 import os
-import struct
 import time
 from collections.abc import Mapping
 from pathlib import Path
@@ -35,6 +34,7 @@ from verl_npu.inputs import InputError
 from verl_npu.preflight import unknowns
 from verl_npu.preflight.mesh import TrainMesh
 from verl_npu.preflight.model_shape import ModelShape
+from verl_npu.safetensors_header import CheckpointFileError, read_header
 
 GB = 10**9  # rates are GB/s of 10**9 bytes, as bench/rl_step.py and `cat`-style tools report them
 GiB = 2**30
@@ -47,12 +47,11 @@ SAFETY_FACTOR = 2.0  # the rate a node gets when every node reads at once is rar
 BUILD_ALLOWANCE_S = 60  # what differs between ranks besides the load: the build's skew (docs/preflight_startup.md)
 FAR_ABOVE_FACTOR = 10  # a timeout this many times the minimum leaves a hung rank unnoticed for that long
 PLAUSIBLE_MAX_GBPS = 50.0  # above a node's NVMe array and its network links: most likely a unit mix-up
-WARM_SHARE_OF_AVAILABLE = 0.5  # verl_npu/engine/bridges/fast_read.py's, quoted in the report (the test reads it)
+PREFETCH_SHARE_OF_AVAILABLE = 0.5  # verl_npu/engine/bridges/fast_read.py's, quoted in the report (the test reads it)
 SAMPLE_BYTES = GiB  # the cold read sample: at most this much of one file ...
 SAMPLE_CHUNK = MIB  # ... in reads of this size, as `cat` reads
 MIN_TRUSTED_SAMPLE = 64 * MIB  # a smaller sample times the system calls, not the disk
 MAX_INDEX_BYTES = 64 * MIB  # model.safetensors.index.json (GLM-5.2's is about 8 MB)
-MAX_HEADER_BYTES = 100 * MIB  # safetensors' own limit
 
 # HCCL's timeouts, as CANN documents them for Atlas A2 / A3 (docs/preflight_startup.md): whole seconds
 CONNECT, EXEC = "HCCL_CONNECT_TIMEOUT", "HCCL_EXEC_TIMEOUT"
@@ -184,9 +183,9 @@ def node_reads(shape: ModelShape, parts: ModelBytes, mesh: TrainMesh, ranks_per_
 
 
 def pre_reading_nodes(mesh: TrainMesh, ranks_per_node: int) -> int:
-    """How many nodes' LOCAL_RANK 0 loads the whole checkpoint itself, so that the engine pre-reads it into the page
-    cache during the build (verl_engine.loads_whole_checkpoint: one stage, EP 1, TP and expert-TP rank 0). Such a
-    node's ranks load the whole checkpoint anyway: the warm-up moves its read earlier, it adds no bytes."""
+    """How many nodes' LOCAL_RANK 0 loads the whole checkpoint itself, so that the engine prefetches it during the
+    build (verl_engine.loads_whole_checkpoint: one stage, EP 1, TP and expert-TP rank 0). Such a node's ranks load the
+    whole checkpoint anyway: the prefetch moves its read earlier, it adds no bytes."""
     if mesh.pp != 1 or mesh.ep != 1:
         return 0
     return sum(1 for first in range(0, mesh.world, ranks_per_node) if first % mesh.tp == 0 and first % mesh.etp == 0)
@@ -233,32 +232,15 @@ def local_checkpoint(directory: str | os.PathLike[str]) -> LocalCheckpoint | Non
 
 
 def _header_data_bytes(path: Path) -> int:
-    """The bytes of the tensors a safetensors file's header declares (only the header is read)."""
+    """The bytes of the tensors a safetensors file's header declares (only the header is read, checked as the
+    engine's load checks it)."""
     try:
-        with open(path, "rb") as f:
-            prefix = f.read(8)
-            if len(prefix) < 8:
-                raise CheckpointError(f"{path}: shorter than a safetensors header length")
-            (length,) = struct.unpack("<Q", prefix)
-            if length > MAX_HEADER_BYTES:
-                raise CheckpointError(f"{path}: a header of {length} bytes (safetensors allows {MAX_HEADER_BYTES})")
-            header = json.loads(f.read(length))
+        entries, _ = read_header(path)
     except OSError as exc:
         raise CheckpointError(f"{path}: {exc.strerror or exc}") from None
-    except (UnicodeDecodeError, ValueError, RecursionError) as exc:
-        raise CheckpointError(f"{path}: the header is not JSON ({exc})") from None
-    if not isinstance(header, dict):
-        raise CheckpointError(f"{path}: the header is not a JSON object")
-    total = 0
-    for name, entry in header.items():
-        if name == "__metadata__":
-            continue
-        offsets = entry.get("data_offsets") if isinstance(entry, dict) else None
-        if not (isinstance(offsets, list) and len(offsets) == 2 and all(type(o) is int for o in offsets)
-                and 0 <= offsets[0] <= offsets[1]):  # fmt: skip
-            raise CheckpointError(f"{path}: tensor {name!r} has data_offsets {offsets!r}")
-        total += offsets[1] - offsets[0]
-    return total
+    except CheckpointFileError as exc:
+        raise CheckpointError(str(exc)) from None
+    return sum(end - begin for begin, end in (entry["offsets"] for entry in entries.values()))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -304,7 +286,7 @@ class StartupEstimate:
     checkpoint_bytes: int
     checkpoint_source: str
     busiest: NodeRead  # the node whose ranks load the most (the union of its ranks' shards)
-    pre_read_nodes: int  # nodes where the engine pre-reads the checkpoint into the page cache (pre_reading_nodes)
+    pre_read_nodes: int  # nodes where the engine prefetches the checkpoint during the build (pre_reading_nodes)
     read_gbps: float | None  # the node's disk rate; None: unknown
     rate_source: str
 
@@ -314,13 +296,13 @@ class StartupEstimate:
 
     @property
     def reads(self) -> str:
-        """What a node reads, and where the engine's page-cache warm-up runs (it adds no bytes)."""
+        """What a node reads, and where the engine's prefetch runs (it adds no bytes)."""
         text = "the union of its ranks' shards"
         if self.pre_read_nodes:
             text += (
                 f"; PP=1 and EP=1: on the {self.pre_read_nodes} of {self.nodes} node(s) whose LOCAL_RANK 0 loads the "
-                "whole checkpoint, the engine pre-reads it into the page cache during the build (when it is under "
-                f"{WARM_SHARE_OF_AVAILABLE:g} of MemAvailable), overlapping the read with the build: the bytes are "
+                "whole checkpoint, the engine prefetches it into host memory during the build (when it is under "
+                f"{PREFETCH_SHARE_OF_AVAILABLE:g} of MemAvailable), overlapping the read with the build: the bytes are "
                 "the same"
             )
         return text

@@ -15,6 +15,7 @@ from verl_npu.runtime_patches import (
     dsa_local_spec,
     dsa_sparse_attention,
     mbridge_glm5,
+    mbridge_instance_mapping,
     mindspeed_dsa_cp_config,
     mindspeed_router_replay,
     ray_runtime_env,
@@ -37,6 +38,7 @@ MODULES = (
     dsa_local_spec,
     rope_cpu_init,
     mbridge_glm5,
+    mbridge_instance_mapping,
     router_replay_padded,
 )
 

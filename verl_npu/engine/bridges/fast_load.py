@@ -7,8 +7,9 @@ keeps (which rank reads which tensor, the bridge's own name mapping and format h
   the list of names to read with each parameter's: quadratic in the number of tensors. Here: once per model chunk.
 - mbridge reads through ``safe_open``, one tensor at a time from a memory map, before it converts any; here each
   tensor is its own read on verl_npu.engine.bridges.fast_read's threads (``TensorReads``), issued in the order the
-  parameters are loaded, and each parameter is converted and copied to the device as soon as its tensors are in,
-  while the next ones are read.
+  parameters are loaded (or claimed from the engine's prefetch, which starts them while the model is built), copied
+  to the device on several threads ahead of the load, and each parameter is converted as soon as its tensors are
+  there, while the next ones are read and copied.
 - An FP8 block-scaled checkpoint (verl_npu.engine.bridges.fp8_safetensors) is dequantised on the device, one
   parameter at a time: codes and scales cross the bus as stored (1 byte per weight, not 2) and the float32 products
   are the device's, bit for bit those of the host (IEEE multiplication, one rounding to bf16).
@@ -37,7 +38,6 @@ from verl_npu.engine.bridges.fast_read import (
     ParallelSafeTensorIO,
     TensorReads,
     file_of_name,
-    read_as_stored,
 )
 from verl_npu.engine.bridges.fp8_safetensors import SCALE_SUFFIX, BlockFP8SafeTensorIO, dequantize
 
@@ -57,11 +57,6 @@ def names_for_device(reader: SafeTensorIO, names: list[str]) -> list[str]:
         known = file_of_name(reader)
         return [*names, *(n + SCALE_SUFFIX for n in names if n + SCALE_SUFFIX in known)]
     return list(names)
-
-
-def read_for_device(reader: SafeTensorIO, names: list[str]) -> dict[str, torch.Tensor]:
-    """The named tensors as stored, with the block scales of FP8 ones where ``reader`` dequantises (to_device)."""
-    return read_as_stored(reader, names_for_device(reader, names))
 
 
 def to_device(name: str, raw: dict[str, torch.Tensor], device: torch.device) -> torch.Tensor:
@@ -106,7 +101,8 @@ def load_weights(bridge, models: list[torch.nn.Module], weights_path: str, memor
             n for hf in local_to_hf.values() if read_here.intersection(hf) for n in names_for_device(reader, hf)
         )
         started = time.perf_counter()
-        with TensorReads(reader, list(uses), uses) as reads:
+        device = next((p.device for p in model.parameters()), None)  # the copies there run ahead of the load
+        with TensorReads(reader, list(uses), uses, device) as reads:
             _load_chunk(bridge, model, local_to_hf, read_here, reads, mpu)
         logger.info("verl-npu: loaded %d checkpoint bytes in %.2f s", reads.nbytes, time.perf_counter() - started)
 

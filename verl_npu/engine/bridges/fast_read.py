@@ -13,8 +13,8 @@ Every header is checked before a byte is trusted: its length, that it is JSON of
 offsets inside the file that match the shape and the dtype's size. A bad file is refused naming the file and the
 tensor. The values are the bytes on disk, exactly what ``safe_open`` gives (tests_npu/test_fast_load.py).
 
-:func:`warm_page_cache` reads the files once in the background from the engine's start, so that the disk works
-while the model is built (verl_npu/engine/verl_engine.py); the load then copies from the page cache.
+:func:`prefetch` starts those per-tensor reads when the engine starts, so that the disk works while the model is
+built (verl_npu/engine/verl_engine.py); the load claims them, done or in flight, and reads nothing twice.
 
 Remove when mbridge reads in large parallel chunks (its ``SafeTensorIO`` as of mbridge 0.15.1).
 """
@@ -24,10 +24,8 @@ from __future__ import annotations
 import concurrent.futures
 import json
 import logging
-import math
 import os
 import re
-import struct
 import threading
 import time
 from collections import defaultdict
@@ -37,11 +35,14 @@ from pathlib import Path
 import torch
 from mbridge.core.safetensor_io import SafeTensorIO
 
+from verl_npu import safetensors_header
+from verl_npu.safetensors_header import CheckpointFileError
+
 logger = logging.getLogger(__name__)
 CHUNK_BYTES = 64 << 20
 READ_THREADS = 8
-WARM_THREADS = 4  # reads in flight while the page cache is warmed
-MAX_HEADER_BYTES = 100 << 20  # safetensors' own limit
+COPY_THREADS = 4  # host-to-device copies of a load in flight (TensorReads)
+COPY_AHEAD_BYTES = 1 << 30  # device memory the copies may run ahead of the load by
 DTYPES = {
     "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
     "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2, "I64": torch.int64, "I32": torch.int32,
@@ -49,55 +50,11 @@ DTYPES = {
 }  # fmt: skip
 
 
-class CheckpointFileError(ValueError):
-    """A safetensors file that cannot be what it claims."""
-
-
 def read_header(path: str | os.PathLike) -> tuple[dict[str, dict], int]:
-    """(name -> {"dtype", "shape", "offsets"} checked against the file's size, the data section's start)."""
-    path = Path(path)
-    size = path.stat().st_size
-    with open(path, "rb") as f:
-        prefix = f.read(8)
-        if len(prefix) < 8:
-            raise CheckpointFileError(f"{path}: {size} bytes, shorter than a safetensors header length")
-        (length,) = struct.unpack("<Q", prefix)
-        if length > MAX_HEADER_BYTES or 8 + length > size:
-            raise CheckpointFileError(f"{path}: header of {length} bytes in a file of {size} bytes")
-        try:
-            header = json.loads(f.read(length))
-        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-            raise CheckpointFileError(f"{path}: the header is not JSON ({exc})") from None
-    if not isinstance(header, dict):
-        raise CheckpointFileError(f"{path}: the header is not a JSON object")
-    start, data = 8 + length, size - 8 - length
-    tensors = {}
-    for name, entry in header.items():
-        if name == "__metadata__":
-            continue
-        tensors[name] = _checked_entry(path, name, entry, data)
-    return tensors, start
-
-
-def _checked_entry(path: Path, name: str, entry: object, data: int) -> dict:
-    if not isinstance(entry, dict) or not {"dtype", "shape", "data_offsets"} <= entry.keys():
-        raise CheckpointFileError(f"{path}: tensor {name!r} has no dtype, shape and data_offsets")
-    dtype = DTYPES.get(entry["dtype"])
-    if dtype is None:
-        raise CheckpointFileError(f"{path}: tensor {name!r} has dtype {entry['dtype']!r}; known: {', '.join(DTYPES)}")
-    shape, offsets = entry["shape"], entry["data_offsets"]
-    if not (isinstance(shape, list) and all(type(d) is int and d >= 0 for d in shape)):
-        raise CheckpointFileError(f"{path}: tensor {name!r} has shape {shape!r}")
-    if not (isinstance(offsets, list) and len(offsets) == 2 and all(type(o) is int for o in offsets)):
-        raise CheckpointFileError(f"{path}: tensor {name!r} has data_offsets {offsets!r}")
-    begin, end = offsets
-    expected = math.prod(shape) * dtype.itemsize
-    if not 0 <= begin <= end <= data or end - begin != expected:
-        raise CheckpointFileError(
-            f"{path}: tensor {name!r} ({entry['dtype']} {shape}) spans bytes [{begin}, {end}) of a {data}-byte data "
-            f"section; its shape needs {expected} bytes"
-        )
-    return {"dtype": dtype, "shape": shape, "offsets": (begin, end)}
+    """(name -> {"dtype": a torch dtype, "shape", "offsets"}, the data section's start): the header checked against
+    the file's size (verl_npu.safetensors_header)."""
+    entries, start = safetensors_header.read_header(path)
+    return {name: {**entry, "dtype": DTYPES[entry["dtype"]]} for name, entry in entries.items()}, start
 
 
 def _read_span(path: Path, start: int, nbytes: int, threads: int) -> torch.Tensor:
@@ -201,31 +158,80 @@ def read_as_stored(reader: SafeTensorIO, names: Iterable[str]) -> dict[str, torc
     return out
 
 
-def _read_into(path: str, offset: int, nbytes: int) -> torch.Tensor:
-    """Bytes [offset, offset + nbytes) of ``path`` in a new uint8 tensor (one thread, CHUNK_BYTES per call)."""
-    buffer = torch.empty(nbytes, dtype=torch.uint8)
-    view = memoryview(buffer.numpy()) if nbytes else None
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        done = 0
-        while done < nbytes:
-            got = os.preadv(fd, [view[done : min(done + CHUNK_BYTES, nbytes)]], offset + done)
-            if got == 0:
-                raise CheckpointFileError(f"{path}: ended at byte {offset + done}, expected {offset + nbytes}")
-            done += got
-    finally:
-        os.close(fd)
-    return buffer
+class _DeviceCopies:
+    """Copies of the read tensors to the device on COPY_THREADS threads, issued in load order, at most
+    COPY_AHEAD_BYTES of them not yet taken (one larger tensor alone): a copy from pageable host memory runs at a few
+    GB/s on one thread, slower than the disk once the reads are ahead of the load. Room is granted strictly in
+    ticket (load) order, and a tensor the load asks for gets it at once with every earlier one, so the load never
+    waits on room that only its own later takes would free."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self._pool = concurrent.futures.ThreadPoolExecutor(COPY_THREADS, thread_name_prefix="verl-npu-copy")
+        self._room = threading.Condition()
+        self._next_ticket = 0  # the next copy to get room
+        self._tickets = 0
+        self._wanted = -1  # the latest ticket the load has asked for
+        self._ahead = 0  # bytes copied (or being copied) and not yet taken
+        self._closed = False
+
+    def submit(self, read: concurrent.futures.Future, entry: dict) -> tuple[int, concurrent.futures.Future]:
+        ticket, self._tickets = self._tickets, self._tickets + 1
+        return ticket, self._pool.submit(self._copy, ticket, read, entry)
+
+    def _copy(self, ticket: int, read: concurrent.futures.Future, entry: dict) -> torch.Tensor | None:
+        nbytes = entry["offsets"][1] - entry["offsets"][0]
+        with self._room:
+            while not self._closed and not (
+                self._next_ticket == ticket
+                and (ticket <= self._wanted or self._ahead == 0 or self._ahead + nbytes <= COPY_AHEAD_BYTES)
+            ):
+                self._room.wait()
+            if self._closed:
+                return None
+            self._next_ticket += 1
+            self._ahead += nbytes
+            self._room.notify_all()
+        try:
+            return read.result().view(entry["dtype"]).view(entry["shape"]).to(self.device)
+        except BaseException:
+            self.taken(nbytes)
+            raise
+
+    def want(self, ticket: int) -> None:
+        with self._room:
+            if ticket > self._wanted:
+                self._wanted = ticket
+                self._room.notify_all()
+
+    def taken(self, nbytes: int) -> None:
+        with self._room:
+            self._ahead -= nbytes
+            self._room.notify_all()
+
+    def close(self) -> None:
+        with self._room:
+            self._closed = True
+            self._room.notify_all()
+        self._pool.shutdown(wait=True, cancel_futures=True)
 
 
 class TensorReads:
     """The named tensors of ``reader``'s checkpoint, each read as its own task in the order given on READ_THREADS
     threads, each taken as soon as its bytes are in: a load that takes them in that order copies one tensor to the
-    device while the next ones are read. A tensor taken ``uses`` times (default once) is then let go.
+    device while the next ones are read. A tensor taken ``uses`` times (default once) is then let go. A read that a
+    :func:`prefetch` of the checkpoint has begun is claimed from it instead of issued again. With ``device``, the
+    tensors are taken there, copied by :class:`_DeviceCopies` ahead of the load.
 
     Use as a context manager: leaving it waits for the reads in flight and drops those not taken."""
 
-    def __init__(self, reader: SafeTensorIO, names: Iterable[str], uses: dict[str, int] | None = None):
+    def __init__(
+        self,
+        reader: SafeTensorIO,
+        names: Iterable[str],
+        uses: dict[str, int] | None = None,
+        device: torch.device | None = None,
+    ):
         file_of = file_of_name(reader)
         wanted = list(dict.fromkeys(names))
         missing = [n for n in wanted if n not in file_of]
@@ -244,14 +250,27 @@ class TensorReads:
             plan.append((name, path, start, entries[name]))
         self.nbytes = sum(e["offsets"][1] - e["offsets"][0] for *_, e in plan)  # the named tensors' bytes
         self._pool = concurrent.futures.ThreadPoolExecutor(READ_THREADS, thread_name_prefix="verl-npu-read")
-        self._reads: dict[str, tuple[concurrent.futures.Future, dict]] = {}
+        self._copies = _DeviceCopies(device) if device is not None else None
+        self._reads: dict[str, tuple[concurrent.futures.Future, dict, int | None]] = {}
         for name, path, start, entry in plan:
             begin, end = entry["offsets"]
-            self._reads[name] = (self._pool.submit(_read_into, path, start + begin, end - begin), entry)
+            # one thread per tensor: the pool's threads read several tensors at once
+            future = _claim_prefetched(path, name, start + begin, end - begin)
+            if future is None:
+                future = self._pool.submit(_read_span, Path(path), start + begin, end - begin, 1)
+            ticket = None
+            if self._copies is not None:
+                ticket, future = self._copies.submit(future, entry)
+            self._reads[name] = (future, entry, ticket)
 
     def take(self, name: str) -> torch.Tensor:
-        future, entry = self._reads[name]
+        future, entry, ticket = self._reads[name]
+        if ticket is not None:
+            self._copies.want(ticket)
         tensor = future.result().view(entry["dtype"]).view(entry["shape"])
+        if ticket is not None:  # its first take: the load holds it from now on
+            self._reads[name] = (future, entry, None)
+            self._copies.taken(entry["offsets"][1] - entry["offsets"][0])
         self._uses[name] -= 1
         if self._uses[name] <= 0:
             del self._reads[name]
@@ -264,11 +283,13 @@ class TensorReads:
         return self
 
     def __exit__(self, *exc_info) -> None:
+        if self._copies is not None:
+            self._copies.close()
         self._pool.shutdown(wait=True, cancel_futures=True)
         self._reads.clear()
 
 
-WARM_SHARE_OF_AVAILABLE = 0.5  # warm the page cache only with a checkpoint smaller than this share of free RAM
+PREFETCH_SHARE_OF_AVAILABLE = 0.5  # prefetch only a checkpoint smaller than this share of the memory available
 
 
 def _available_bytes() -> int | None:
@@ -298,80 +319,128 @@ def unloaded_layers(hf_config) -> Callable[[str], bool]:
     return unloaded
 
 
-def _spans(files: list[Path], skip: Callable[[str], bool] | None) -> list[tuple[Path, int, int]]:
-    """(file, offset, bytes) to read, at most CHUNK_BYTES each: whole files, or without the tensors ``skip`` names
-    (adjacent tensors merged)."""
-    spans = []
+def _identity(path: str) -> tuple[int, int, int, int]:
+    stat = os.stat(path)
+    return stat.st_dev, stat.st_ino, stat.st_size, stat.st_mtime_ns
+
+
+class Prefetch:
+    """Reads of a checkpoint's tensors begun before any load asks for them (:func:`prefetch`): each tensor its own
+    read, in file order, READ_THREADS at a time. A load's :class:`TensorReads` claims the reads it needs, done or in
+    flight, so the disk reads no byte twice and works while the model is built; :meth:`close` drops the rest."""
+
+    def __init__(self, hf_dir: str, plan: list[tuple[str, str, int, int]]):
+        self.hf_dir = hf_dir
+        self.nbytes = sum(nbytes for *_, nbytes in plan)
+        self.claimed_bytes = 0
+        self._identity = {path: _identity(path) for path in dict.fromkeys(path for path, *_ in plan)}
+        self._lock = threading.Lock()
+        self._started = time.perf_counter()
+        self._unfinished = len(plan)
+        self._pool = concurrent.futures.ThreadPoolExecutor(READ_THREADS, thread_name_prefix="verl-npu-prefetch")
+        self._reads: dict[tuple[str, str], tuple[int, int, concurrent.futures.Future]] = {}
+        for path, name, offset, nbytes in plan:
+            future = self._pool.submit(_read_span, Path(path), offset, nbytes, 1)
+            self._reads[(path, name)] = (offset, nbytes, future)
+            future.add_done_callback(self._finished)
+
+    def _finished(self, future: concurrent.futures.Future) -> None:
+        with self._lock:
+            self._unfinished -= 1
+            last = self._unfinished == 0
+        if last:
+            seconds = time.perf_counter() - self._started
+            logger.info("verl-npu: prefetched %s (%d bytes) in %.2f s, %.2f GB/s", self.hf_dir, self.nbytes, seconds,
+                        self.nbytes / max(seconds, 1e-9) / 1e9)  # fmt: skip
+
+    def claim(self, path: str, name: str, offset: int, nbytes: int) -> concurrent.futures.Future | None:
+        """The read of these bytes of ``path`` (a real path), now the caller's; None where it was not prefetched
+        or the file changed since (then the caller reads it itself)."""
+        with self._lock:
+            read = self._reads.get((path, name))
+            if read is None or read[:2] != (offset, nbytes):
+                return None
+            del self._reads[(path, name)]
+        if _identity(path) != self._identity[path]:
+            read[2].cancel()
+            logger.warning("verl-npu: %s changed since it was prefetched: read again", path)
+            return None
+        self.claimed_bytes += nbytes
+        return read[2]
+
+    def close(self) -> None:
+        """Drop the reads no load claimed (the queued ones are not started) and forget this prefetch."""
+        with self._lock:
+            unclaimed, self._reads = self._reads, {}
+        for *_, future in unclaimed.values():
+            future.cancel()
+        self._pool.shutdown(wait=False)
+        with _PREFETCHES_LOCK:
+            if self in _PREFETCHES:
+                _PREFETCHES.remove(self)
+        logger.info("verl-npu: prefetch of %s closed: %d of its %d bytes claimed by the load", self.hf_dir,
+                    self.claimed_bytes, self.nbytes)  # fmt: skip
+
+
+_PREFETCHES: list[Prefetch] = []
+_PREFETCHES_LOCK = threading.Lock()
+
+
+def _claim_prefetched(path: str, name: str, offset: int, nbytes: int) -> concurrent.futures.Future | None:
+    with _PREFETCHES_LOCK:
+        prefetches = list(_PREFETCHES)
+    real = os.path.realpath(path)
+    for prefetch in prefetches:
+        if (future := prefetch.claim(real, name, offset, nbytes)) is not None:
+            return future
+    return None
+
+
+def _plan(hf_dir: str, skip: Callable[[str], bool] | None) -> list[tuple[str, str, int, int]]:
+    """(real path, name, offset, bytes) of every tensor the checkpoint's index (else its ``*.safetensors`` files)
+    names and ``skip`` does not, in file order."""
+    index_file = Path(hf_dir) / "model.safetensors.index.json"
+    if index_file.exists():
+        with open(index_file) as f:
+            weight_map = json.load(f).get("weight_map")
+        if not isinstance(weight_map, dict):
+            raise CheckpointFileError(f"{index_file}: no weight_map object")
+        files = sorted(set(weight_map.values()))
+    else:
+        weight_map, files = None, sorted(f.name for f in Path(hf_dir).glob("*.safetensors"))
+    plan = []
     for file in files:
-        if skip is None:
-            ranges = [(0, file.stat().st_size)]
-        else:
-            entries, start = read_header(file)
-            ranges = []
-            for begin, end in sorted(e["offsets"] for name, e in entries.items() if not skip(name)):
-                if ranges and ranges[-1][1] == start + begin:
-                    ranges[-1] = (ranges[-1][0], start + end)
-                else:
-                    ranges.append((start + begin, start + end))
-        for begin, end in ranges:
-            spans.extend((file, offset, min(CHUNK_BYTES, end - offset)) for offset in range(begin, end, CHUNK_BYTES))
-    return spans
+        path = os.path.realpath(os.path.join(hf_dir, file))
+        entries, start = read_header(path)
+        tensors = [
+            (path, name, start + entry["offsets"][0], entry["offsets"][1] - entry["offsets"][0])
+            for name, entry in entries.items()
+            if (weight_map is None or weight_map.get(name) == file) and not (skip and skip(name))
+        ]
+        plan.extend(sorted(tensors, key=lambda t: t[2]))
+    return plan
 
 
-def warm_page_cache(hf_dir: str | os.PathLike, skip: Callable[[str], bool] | None = None) -> threading.Thread | None:
-    """Read the checkpoint's ``*.safetensors`` files once in the background (WARM_THREADS reads in flight, in file
-    order), so that the load that follows the model's build finds them in the page cache: the build and the disk then
-    overlap. One process per node does it (the page
-    cache is the node's: ``LOCAL_RANK`` 0, or a process without one), and only for a checkpoint under
-    WARM_SHARE_OF_AVAILABLE of the memory available (a larger one would evict itself); the engine asks only where
-    that process loads the whole checkpoint itself (verl_engine.loads_whole_checkpoint). Tensors ``skip`` names are
-    not read (:func:`unloaded_layers`: the model would not load them). None where it does not run."""
+def prefetch(hf_dir: str | os.PathLike, skip: Callable[[str], bool] | None = None) -> Prefetch | None:
+    """Start reading the checkpoint's tensors (but those ``skip`` names: :func:`unloaded_layers`) into host memory,
+    for the load that follows the model's build to claim (:class:`TensorReads`). One process per node does it
+    (``LOCAL_RANK`` 0, or a process without one: what it reads also warms the node's page cache for the others), and
+    only for tensors under PREFETCH_SHARE_OF_AVAILABLE of the memory available; the engine asks only where that
+    process loads the whole checkpoint itself (verl_engine.loads_whole_checkpoint). The caller closes it after the
+    load. None where it does not run."""
     if os.environ.get("LOCAL_RANK", "0") != "0":
         return None
-    files = sorted(Path(hf_dir).glob("*.safetensors"))
-    total = sum(f.stat().st_size for f in files)
-    available = _available_bytes()
-    if not files or available is None or total > WARM_SHARE_OF_AVAILABLE * available:
-        logger.info("verl-npu: checkpoint %s (%d bytes) not pre-read: %s available", hf_dir, total, available)
-        return None
-
+    hf_dir = str(hf_dir)
     try:
-        spans = _spans(files, skip)
-    except CheckpointFileError as exc:  # the load reports it, naming the file; this is only a hint
-        logger.info("verl-npu: checkpoint %s not pre-read: %s", hf_dir, exc)
+        plan = _plan(hf_dir, skip)
+    except (OSError, ValueError) as exc:  # the load reports it, naming the file; a prefetch is only a head start
+        logger.info("verl-npu: checkpoint %s not prefetched: %s", hf_dir, exc)
         return None
-    total = sum(nbytes for *_, nbytes in spans)
-    chunks = iter(spans)
-    next_chunk = threading.Lock()
-    started = time.perf_counter()
-
-    def read_chunks() -> None:
-        # several reads in flight, in file order: one sequential reader leaves a parallel disk or filesystem idle
-        buffer = bytearray(CHUNK_BYTES)
-        view = memoryview(buffer)
-        while True:
-            with next_chunk:
-                file, offset, nbytes = next(chunks, (None, 0, 0))
-            if file is None:
-                return
-            try:
-                fd = os.open(file, os.O_RDONLY)
-                try:
-                    os.preadv(fd, [view[:nbytes]], offset)
-                finally:
-                    os.close(fd)
-            except OSError as exc:  # the load reports a real problem with the file; this is only a hint
-                logger.info("verl-npu: pre-reading %s stopped: %s", file, exc)
-                return
-
-    def read_all() -> None:
-        with concurrent.futures.ThreadPoolExecutor(WARM_THREADS, thread_name_prefix="verl-npu-warm") as pool:
-            for reader in [pool.submit(read_chunks) for _ in range(WARM_THREADS)]:
-                reader.result()
-        seconds = time.perf_counter() - started
-        logger.info("verl-npu: pre-read %s (%d bytes) in %.2f s, %.2f GB/s", hf_dir, total, seconds,
-                    total / max(seconds, 1e-9) / 1e9)  # fmt: skip
-
-    thread = threading.Thread(target=read_all, name="verl-npu-warm-checkpoint", daemon=True)
-    thread.start()
-    return thread
+    total, available = sum(nbytes for *_, nbytes in plan), _available_bytes()
+    if not plan or available is None or total > PREFETCH_SHARE_OF_AVAILABLE * available:
+        logger.info("verl-npu: checkpoint %s (%d bytes) not prefetched: %s bytes available", hf_dir, total, available)
+        return None
+    started = Prefetch(hf_dir, plan)
+    with _PREFETCHES_LOCK:
+        _PREFETCHES.append(started)
+    return started

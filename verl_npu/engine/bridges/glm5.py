@@ -32,6 +32,7 @@ Refused with an error: rope types other than "default"; a router that megatron c
 
 from __future__ import annotations
 
+import collections
 import logging
 import re
 from typing import ClassVar
@@ -47,7 +48,7 @@ from verl_npu.contracts.vllm import moe_layers as vllm_moe_layers
 from verl_npu.contracts.vllm_ascend import layers_without_indexer
 from verl_npu.engine.bridges import fast_export, fast_load
 from verl_npu.engine.bridges.absorbed_mla import merge_kv_b_proj, split_kv_b_proj
-from verl_npu.engine.bridges.fast_read import ParallelSafeTensorIO
+from verl_npu.engine.bridges.fast_read import ParallelSafeTensorIO, TensorReads
 from verl_npu.engine.bridges.fp8_safetensors import BlockFP8SafeTensorIO, is_fp8_block_scaled
 from verl_npu.engine.bridges.hf_save import SavesWhatIsExported
 from verl_npu.engine.glm5_config import (
@@ -381,21 +382,28 @@ class GLM5Bridge(DeepseekV3Bridge):
             if _LOCAL_EXPERT.search(local)
         }
         hf_names = {local: self._weight_name_mapping_mcore_to_hf(name) for local, name in names.items()}
-        loaded = {}
-        if self.mpu.etp_rank == 0:  # as stored (the bridge's readers are fast_load's), FP8 dequantised on the device
-            loaded = fast_load.read_for_device(self.safetensor_io, [n for ns in hf_names.values() for n in ns])
+        reads_here = self.mpu.etp_rank == 0
+        # as stored (the bridge's readers are fast_load's), each read on its own in the order taken (a prefetch's
+        # reads claimed), FP8 dequantised on the device
+        io = self.safetensor_io
+        uses = collections.Counter(
+            n for ns in hf_names.values() for n in fast_load.names_for_device(io, ns) if reads_here
+        )
         state = model.state_dict()
-        for local, name in names.items():
-            param, shards = state[local], None
-            if self.mpu.etp_rank == 0:
-                tensors = [fast_load.to_device(n, loaded, param.device) for n in hf_names[local]]
-                weight = self._weight_to_mcore_format(name, tensors)
-                split = self._weight_split_across_tp(name, weight, param, self.mpu.etp_size)  # TE-style name
-                shards = [t.to(param.device, dtype=param.dtype).contiguous() for t in split]
-            received = torch.empty_like(param)
-            source = torch.distributed.get_global_rank(self.mpu.etp_group, 0)
-            torch.distributed.scatter(received, shards, src=source, group=self.mpu.etp_group)
-            param.copy_(received)
+        device = next((p.device for p in model.parameters()), None)
+        with TensorReads(io, list(uses), uses, device) as reads:
+            for local, name in names.items():
+                param, shards = state[local], None
+                if reads_here:
+                    raw = {n: reads.take(n) for n in dict.fromkeys(fast_load.names_for_device(io, hf_names[local]))}
+                    tensors = [fast_load.to_device(n, raw, param.device) for n in hf_names[local]]
+                    weight = self._weight_to_mcore_format(name, tensors)
+                    split = self._weight_split_across_tp(name, weight, param, self.mpu.etp_size)  # TE-style name
+                    shards = [t.to(param.device, dtype=param.dtype).contiguous() for t in split]
+                received = torch.empty_like(param)
+                source = torch.distributed.get_global_rank(self.mpu.etp_group, 0)
+                torch.distributed.scatter(received, shards, src=source, group=self.mpu.etp_group)
+                param.copy_(received)
 
     def _weight_merge_across_tp(self, mcore_weights_name, mcore_weights, param):
         # Experts without expert TP are gathered over the TP group (their parameters carry

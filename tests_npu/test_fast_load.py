@@ -202,6 +202,11 @@ def test_the_prefetch_runs_on_one_process_per_node_and_only_within_the_memory_sh
     with caplog.at_level("INFO", logger=fast_read.__name__):
         assert fast_read.prefetch(tmp_path) is None
     assert "n.safetensors: 1 bytes, shorter than a safetensors header length" in caplog.text
+    for index in ([1, 2], {"weight_map": {"w": 3}}):  # nor with an index that names no files
+        (tmp_path / "model.safetensors.index.json").write_text(json.dumps(index))
+        with caplog.at_level("INFO", logger=fast_read.__name__):
+            assert fast_read.prefetch(tmp_path) is None
+        assert "model.safetensors.index.json: no weight_map object of tensor name -> file name" in caplog.text
 
 
 @pytest.mark.usefixtures("node_rank_zero")

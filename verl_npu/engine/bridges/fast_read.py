@@ -158,6 +158,13 @@ def read_as_stored(reader: SafeTensorIO, names: Iterable[str]) -> dict[str, torc
     return out
 
 
+def _use_device(device: torch.device) -> None:
+    """Make ``device`` this thread's current one: a new thread starts on device 0 of the runtime (CUDA's and
+    torch_npu's current device is per thread), where its copies' staging and any runtime context would go."""
+    if device.type != "cpu" and device.index is not None:
+        torch.get_device_module(device.type).set_device(device.index)
+
+
 class _DeviceCopies:
     """Copies of the read tensors to the device on COPY_THREADS threads, issued in load order, at most
     COPY_AHEAD_BYTES of them not yet taken (one larger tensor alone): a copy from pageable host memory runs at a few
@@ -167,7 +174,9 @@ class _DeviceCopies:
 
     def __init__(self, device: torch.device):
         self.device = device
-        self._pool = concurrent.futures.ThreadPoolExecutor(COPY_THREADS, thread_name_prefix="verl-npu-copy")
+        self._pool = concurrent.futures.ThreadPoolExecutor(
+            COPY_THREADS, thread_name_prefix="verl-npu-copy", initializer=_use_device, initargs=(device,)
+        )
         self._room = threading.Condition()
         self._next_ticket = 0  # the next copy to get room
         self._tickets = 0
@@ -365,7 +374,8 @@ class Prefetch:
             read[2].cancel()
             logger.warning("verl-npu: %s changed since it was prefetched: read again", path)
             return None
-        self.claimed_bytes += nbytes
+        with self._lock:
+            self.claimed_bytes += nbytes
         return read[2]
 
     def close(self) -> None:
@@ -402,9 +412,10 @@ def _plan(hf_dir: str, skip: Callable[[str], bool] | None) -> list[tuple[str, st
     index_file = Path(hf_dir) / "model.safetensors.index.json"
     if index_file.exists():
         with open(index_file) as f:
-            weight_map = json.load(f).get("weight_map")
-        if not isinstance(weight_map, dict):
-            raise CheckpointFileError(f"{index_file}: no weight_map object")
+            index = json.load(f)
+        weight_map = index.get("weight_map") if isinstance(index, dict) else None
+        if not isinstance(weight_map, dict) or not all(isinstance(f, str) for f in weight_map.values()):
+            raise CheckpointFileError(f"{index_file}: no weight_map object of tensor name -> file name")
         files = sorted(set(weight_map.values()))
     else:
         weight_map, files = None, sorted(f.name for f in Path(hf_dir).glob("*.safetensors"))

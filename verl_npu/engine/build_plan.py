@@ -30,6 +30,7 @@ from verl_npu.contracts.torch_npu import INDEXER_SPARSE_COUNTS
 from verl_npu.dtypes import DtypeError, parse
 from verl_npu.engine.glm5_config import FULL, MODEL_TYPE, SHARED
 from verl_npu.errors import UserError
+from verl_npu.pipeline_split import stage_layers
 
 OTC = "override_transformer_config"
 PLATFORMS = ("ascend", "cuda", "cpu")
@@ -115,32 +116,17 @@ def pipeline_layout(engine_config: Any, num_layers: int | None = None) -> Pipeli
 def model_chunks(num_layers: int, layout: PipelineLayout) -> list[ModelChunk]:
     """Every model chunk in layer order, as megatron-core 0.18 places them (get_transformer_layer_offset).
 
-    Raises ValueError when the layers do not split that way (preflight's mesh check names the numbers).
+    Raises PipelineSplitError (a ValueError) when megatron would not split the layers that way
+    (verl_npu.pipeline_split, which preflight's mesh check reports too).
     """
-    pp, first, last = layout.pp, layout.first, layout.last
-    vpp = layout.vpp if layout.interleaved else 1
-    if pp == 1:
-        return [ModelChunk(0, None, 0, num_layers)]
-    middle = pp - (first is not None) - (last is not None)
-    rest = num_layers - (first or 0) - (last or 0)
-    if rest < 0 or (middle and rest % (middle * vpp)) or (not middle and rest):
-        raise ValueError(f"{num_layers} layers do not split over {layout.describe()}")
-    each = rest // (middle * vpp) if middle else 0
-    ends = []
-    for stage_layers in (first, last):
-        if stage_layers is not None and stage_layers % vpp:
-            raise ValueError(f"{stage_layers} layers of an end stage do not split into {vpp} model chunks")
-        ends.append(None if stage_layers is None else stage_layers // vpp)
+    interleaved = layout.interleaved and layout.pp > 1  # megatron has no virtual pipeline on one stage
+    vpp = layout.vpp if interleaved else 1
+    per_stage = stage_layers(num_layers, layout.pp, layout.first, layout.last, layout.vpp)
     chunks, start = [], 0
     for vp_stage in range(vpp):
-        for rank in range(pp):
-            n = each
-            if rank == 0 and ends[0] is not None:
-                n = ends[0]
-            elif rank == pp - 1 and ends[1] is not None:
-                n = ends[1]
-            chunks.append(ModelChunk(rank, vp_stage if layout.interleaved else None, start, n))
-            start += n
+        for rank, layers in enumerate(per_stage):
+            chunks.append(ModelChunk(rank, vp_stage if interleaved else None, start, layers // vpp))
+            start += layers // vpp
     return chunks
 
 

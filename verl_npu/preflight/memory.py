@@ -81,6 +81,7 @@ from verl_npu.dtypes import parse as _dtype
 from verl_npu.engine.build_plan import PLATFORMS
 from verl_npu.engine.host_arena import default_strategy
 from verl_npu.engine.host_arena import host_bytes as arena_host_bytes
+from verl_npu.pipeline_split import stage_layers
 from verl_npu.preflight.model_shape import ModelShape
 
 GiB = 2**30
@@ -120,21 +121,11 @@ class Parallelism:
         return self.world // (self.pp * self.ep * self.etp)
 
     def layers_per_stage(self, num_layers: int) -> list[int]:
-        first, last = self.num_layers_in_first_pipeline_stage, self.num_layers_in_last_pipeline_stage
-        if self.pp == 1:
-            return [num_layers]
-        ends = [n for n in (first, last) if n is not None]
-        middle = self.pp - len(ends)
-        rest = num_layers - sum(ends)
-        if rest < 0 or (middle and rest % middle) or (not middle and rest):
-            raise ValueError(f"{num_layers} layers do not split over pp={self.pp} (first={first}, last={last})")
-        each = rest // middle if middle else 0
-        stages = [each] * self.pp
-        if first is not None:
-            stages[0] = first
-        if last is not None:
-            stages[-1] = last
-        return stages
+        """megatron's split (verl_npu.pipeline_split); PipelineSplitError (a ValueError) where it has none."""
+        return stage_layers(
+            num_layers, self.pp, self.num_layers_in_first_pipeline_stage, self.num_layers_in_last_pipeline_stage,
+            self.vpp,
+        )  # fmt: skip
 
     def stage_of_rank(self, rank: int) -> int:
         """Megatron's default rank order "tp-cp-ep-dp-pp": pp is outermost."""

@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 
 from verl_npu.checks import FAIL, OK, WARN, Check, failed
+from verl_npu.pipeline_split import PipelineSplitError, stage_layers
 from verl_npu.preflight.values import LaunchValues, MegatronRole, RolloutValues
 
 
@@ -39,14 +40,8 @@ class TrainMesh:
         return self.world // (self.pp * self.ep * self.etp)
 
     def stage_layers(self, num_layers: int) -> list[int]:
-        """Layers per pipeline stage, megatron's split with the first/last-stage overrides."""
-        first, last, pp = self.first_stage_layers, self.last_stage_layers, self.pp
-        if pp == 1:
-            return [num_layers]
-        middle_stages = pp - (first is not None) - (last is not None)
-        rest = num_layers - (first or 0) - (last or 0)
-        each = rest // middle_stages if middle_stages else 0
-        return [first if first is not None else each, *[each] * (pp - 2), last if last is not None else each]
+        """Layers per pipeline stage: megatron's split (verl_npu.pipeline_split), PipelineSplitError where none."""
+        return stage_layers(num_layers, self.pp, self.first_stage_layers, self.last_stage_layers, self.vpp)
 
 
 def train_mesh(role: MegatronRole, world: int) -> TrainMesh:
@@ -91,26 +86,11 @@ def check_train_mesh(mesh: TrainMesh, num_layers: int, num_experts: int) -> list
         fail("ep-dense", f"EP {mesh.ep} on a dense model (no routed experts); set expert_model_parallel_size=1")
     if mesh.sequence_parallel and mesh.tp == 1:
         fail("sp", "sequence_parallel=True needs tensor_model_parallel_size > 1 (TP is 1); drop sequence_parallel")
-    first, last = mesh.first_stage_layers, mesh.last_stage_layers
-    if mesh.pp == 1 and (first is not None or last is not None):
-        fail("pp-layers", "num_layers_in_first/last_pipeline_stage are set but PP is 1")
-    elif mesh.pp > 1:
-        middle = mesh.pp - (first is not None) - (last is not None)
-        rest = num_layers - (first or 0) - (last or 0)
-        split = f"{num_layers} layers"
-        if first is not None or last is not None:
-            split += f" - {first or 0} (first stage) - {last or 0} (last stage) = {rest} over {middle} stages"
-        else:
-            split += f" over PP {mesh.pp}"
-        if rest < 0 or (middle == 0 and rest != 0) or (middle and (rest % middle or rest // middle == 0)):
-            fail("pp-layers", f"{split} do not split evenly; change PP or the first/last-stage layer counts")
-        elif mesh.vpp and (rest // max(middle, 1)) % mesh.vpp:
-            fail("vpp-layers", f"{rest // middle} layers per stage do not divide into VPP {mesh.vpp} chunks")
-        elif mesh.vpp and (odd := [(n, w) for n, w in ((first, "first"), (last, "last")) if n and n % mesh.vpp]):
-            ends = " and ".join(f"{n} layers on the {w} stage" for n, w in odd)
-            fail("vpp-layers", f"{ends} do not divide into VPP {mesh.vpp} chunks (megatron-core refuses them)")
+    try:
+        stages = mesh.stage_layers(num_layers)
+    except PipelineSplitError as exc:
+        fail(exc.check, str(exc))
     if not fails:
-        stages = mesh.stage_layers(num_layers) if mesh.world % model_parallel == 0 else []
         return [
             Check(
                 f"mesh.{r}-mesh",

@@ -32,8 +32,10 @@ from pathlib import Path
 
 import torch
 
+from verl_npu.models.glm5.config import glm5_2_indexer_types
+
 TOPK, LAYERS = 2048, 8
-GLM5_2_STAGE = ["full" if i < 3 or (i - 2) % 4 == 0 else "shared" for i in range(78)][10:18]
+GLM5_2_STAGE = glm5_2_indexer_types(78)[10:18]
 
 
 def init() -> None:

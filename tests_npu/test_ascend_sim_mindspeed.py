@@ -22,7 +22,7 @@ from support.example_launch import compose_example
 
 from verl_npu import contracts, upstream
 from verl_npu.contracts.verify import verify
-from verl_npu.engine.glm5_config import FULL, indexer_types
+from verl_npu.models.glm5.config import FULL, indexer_types
 from verl_npu.parity.probes import topk_sets
 
 pytestmark = pytest.mark.ascend_sim

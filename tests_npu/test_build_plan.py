@@ -10,6 +10,7 @@ from transformers import GlmMoeDsaConfig, LlamaConfig
 from verl.workers.config import McoreEngineConfig, McoreOptimizerConfig
 
 from verl_npu.engine.build_plan import BuildPlanError, build_plan
+from verl_npu.models.glm5.config import glm5_2_indexer_types
 
 
 def engine(**overrides) -> McoreEngineConfig:
@@ -243,7 +244,7 @@ def test_precision_aware_optimizer_rules():
 
 # --- GLM-5.2's IndexShare layers: what the pipeline top-k carry can serve ---------------------------------
 # GLM-5.2's rule (i < 3 or (i - 2) % 4 == 0) on 8 layers: full 0, 1, 2, 6; shared 3, 4, 5, 7
-GLM52_KINDS = ["full" if i < 3 or (i - 2) % 4 == 0 else "shared" for i in range(8)]
+GLM52_KINDS = glm5_2_indexer_types(8)
 GLM52 = GlmMoeDsaConfig(
     num_hidden_layers=8, hidden_size=256, num_attention_heads=8, index_n_heads=32, indexer_types=GLM52_KINDS
 )
@@ -390,7 +391,7 @@ def test_grouped_experts_are_refused_on_ascend_where_mindspeed_refuses_them():
 
 
 def test_the_glm5_bridge_groups_experts_off_ascend_only():
-    from verl_npu.engine.glm5_config import glm5_config_fields
+    from verl_npu.models.glm5.config import glm5_config_fields
 
     assert glm5_config_fields(GLM5, "ascend")["moe_grouped_gemm"] is False
     assert glm5_config_fields(GLM5, "cuda")["moe_grouped_gemm"] is True

@@ -10,6 +10,8 @@ import os
 import pytest
 import torch
 
+from verl_npu.models.glm5.config import glm5_2_indexer_types
+
 pytestmark = pytest.mark.accel
 
 
@@ -24,7 +26,7 @@ def device():
 
 
 # GLM-5 (every layer computes its DSA top-k) and GLM-5.2 (IndexShare: layers 3-5 reuse layer 2's top-k)
-LAYOUTS = {"glm5": ["full"] * 3, "glm5_2": ["full" if i < 3 or (i - 2) % 4 == 0 else "shared" for i in range(7)]}
+LAYOUTS = {"glm5": ["full"] * 3, "glm5_2": glm5_2_indexer_types(7)}
 
 
 def tiny_glm5(seed: int, layout: str = "glm5"):

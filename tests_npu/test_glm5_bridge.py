@@ -246,7 +246,7 @@ def test_config_mapping_follows_glm5_and_agrees_with_the_test_model_mapping():
 def test_config_mapping_refuses_what_megatron_would_compute_differently():
     from transformers import GlmMoeDsaConfig
 
-    from verl_npu.engine.glm5_config import glm5_config_fields
+    from verl_npu.models.glm5.config import glm5_config_fields
 
     # GLM-5.2's IndexShare maps (the layer specs carry it); only a list the engine cannot build is refused
     glm5_config_fields(GlmMoeDsaConfig(**{**TINY, "indexer_types": ["full", "shared"]}))

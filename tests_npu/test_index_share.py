@@ -13,9 +13,10 @@ from transformers import GlmMoeDsaConfig
 
 import verl_npu.megatron_adaptor  # noqa: F401  (runtime patches)
 from verl_npu.engine import index_share
+from verl_npu.models.glm5.config import glm5_2_indexer_types
 from verl_npu.testing.glm5_model import build_glm5_model
 
-KINDS = ["full" if i < 3 or (i - 2) % 4 == 0 else "shared" for i in range(8)]
+KINDS = glm5_2_indexer_types(8)
 HF = GlmMoeDsaConfig(
     vocab_size=128, hidden_size=64, num_hidden_layers=8, num_attention_heads=4, intermediate_size=128,
     moe_intermediate_size=32, n_routed_experts=4, n_shared_experts=1, num_experts_per_tok=2,

@@ -254,7 +254,7 @@ CONTRACTS = (
         relied_on="MindSpeed core_r0.18.0 raises NotImplementedError for moe_grouped_gemm; building a "
         "TransformerConfig runs every feature's validate_args (mindspeed-config-validates-features), so a config "
         "with grouped experts does not build on Ascend",
-        used_by="verl_npu/engine/glm5_config.py (grouped GEMM off on Ascend); verl_npu/engine/build_plan.py (an "
+        used_by="verl_npu/models/glm5/config.py (grouped GEMM off on Ascend); verl_npu/engine/build_plan.py (an "
         "override turning it on is refused before the job queues)",
         expects=(
             Expect("if getattr(args, 'moe_grouped_gemm', False):", "the switch is read from the config"),

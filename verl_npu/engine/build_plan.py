@@ -28,8 +28,8 @@ from verl_npu.contracts.mindspeed import (
 )
 from verl_npu.contracts.torch_npu import INDEXER_SPARSE_COUNTS
 from verl_npu.dtypes import DtypeError, parse
-from verl_npu.engine.glm5_config import FULL, MODEL_TYPE, SHARED
 from verl_npu.errors import UserError
+from verl_npu.models.glm5.config import FULL, MODEL_TYPE, SHARED
 from verl_npu.pipeline_split import stage_layers
 
 OTC = "override_transformer_config"
@@ -140,11 +140,11 @@ def _attrs(hf_config: Any) -> Any:
 def index_share_kinds(hf_config: Any) -> tuple[str, ...] | None:
     """Each layer's indexer ("full" / "shared") for a glm_moe_dsa model or one listing indexer_types, else None.
 
-    Raises ValueError for a list the engine cannot build (verl_npu.engine.glm5_config.indexer_types).
+    Raises ValueError for a list the engine cannot build (verl_npu.models.glm5.config.indexer_types).
     """
     if _get(hf_config, "model_type") != MODEL_TYPE and _get(hf_config, "indexer_types") is None:
         return None
-    from verl_npu.engine.glm5_config import indexer_types
+    from verl_npu.models.glm5.config import indexer_types
 
     return indexer_types(_attrs(hf_config))
 

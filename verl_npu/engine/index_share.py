@@ -38,7 +38,7 @@ import logging
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
-from verl_npu.engine.glm5_config import FULL, SHARED
+from verl_npu.models.glm5.config import FULL, SHARED
 
 logger = logging.getLogger(__name__)
 
@@ -478,7 +478,7 @@ def apply_to_glm5_block(block_spec: Any, hf_config: Any, config: Any, vp_stage: 
     """
     from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
 
-    from verl_npu.engine.glm5_config import indexer_types
+    from verl_npu.models.glm5.config import indexer_types
 
     share = IndexShareSpec(indexer_types(hf_config))
     register_stage(apply_to_block_spec(block_spec, share, get_transformer_layer_offset(config, vp_stage)))

@@ -35,6 +35,7 @@ from pathlib import Path
 from typing import Any
 
 from verl_npu.errors import UserError
+from verl_npu.models.glm5.config import glm5_2_indexer_types
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 GLM5_2_CONFIG = REPO_ROOT / "examples" / "glm5_2" / "config.json"
@@ -88,7 +89,7 @@ def _config(family: str, sizes: tuple[tuple[str, Any], ...]) -> dict[str, Any]:
 
 def _glm5_2_layers(layers: int) -> dict[str, Any]:
     """GLM-5.2's per-layer rules applied to ``layers`` layers (docs/upstream_facts.md)."""
-    full = ["full" if i < 3 or (i - 2) % 4 == 0 else "shared" for i in range(layers)]
+    full = glm5_2_indexer_types(layers)
     dense = 3  # first_k_dense_replace, as published
     return dict(
         num_hidden_layers=layers,

@@ -486,7 +486,7 @@ def model_bridge_checks(hf_config: Mapping[str, Any], layouts: Mapping[str, Any]
     GLM-5.2's IndexShare layers which layers of each pipeline stage (of each role's layout) are full and shared."""
     import types
 
-    from verl_npu.engine.glm5_config import MODEL_TYPE, SHARED, glm5_config_fields, indexer_types
+    from verl_npu.models.glm5.config import MODEL_TYPE, SHARED, glm5_config_fields, indexer_types
 
     if hf_config.get("model_type") != MODEL_TYPE:
         return []
@@ -590,7 +590,7 @@ def rollout_model_checks(
     evidence too.
     """
     from verl_npu.contracts.vllm_ascend import GLM52_PATCH_ON_VALUES, GLM52_PATCH_VARIABLE
-    from verl_npu.engine.glm5_config import MODEL_TYPE
+    from verl_npu.models.glm5.config import MODEL_TYPE
 
     rollout = _section(config, "actor_rollout_ref", "rollout")
     name = rollout.get("name")

@@ -2,16 +2,13 @@
 
 from __future__ import annotations
 
-import re
 from pathlib import Path
 from typing import Any
 
 from verl_npu.checks import FAIL, OK, WARN, Check
 from verl_npu.errors import UserError
+from verl_npu.models.glm5 import names
 from verl_npu.preflight.model_shape import load_config
-
-GLM5_NAME = re.compile(r"glm-?5", re.IGNORECASE)
-GLM5_2_NAME = re.compile(r"glm-?5(?:[._-]?2)(?!\d)", re.IGNORECASE)  # GLM-5.2, glm5_2, GLM-5-2, glm52
 
 # where the model config came from (PreflightReport.model_origin)
 FROM_MODEL_CONFIG, FROM_MODEL_PATH, FROM_BESIDE_SCRIPT, FROM_NAME = (
@@ -59,8 +56,9 @@ def resolve_model(model_path: str | None, model_config: str | None, beside_scrip
         )
         return hf, Check("config.model", OK, message), FROM_BESIDE_SCRIPT
     name = Path(model_path).name if model_path else ""
-    if model_config is None and GLM5_NAME.search(name):
-        glm52 = bool(GLM5_2_NAME.search(name))
+    family = names.named_in(name) if model_config is None else None
+    if family is not None:
+        glm52 = family == names.GLM5_2
         what = (
             "GLM-5.2's published architecture (transformers' GlmMoeDsaConfig defaults with GLM-5.2's indexer_types: "
             "21 full / 57 shared DSA layers, RoPE theta 8e6, fp32 router)"
@@ -69,5 +67,5 @@ def resolve_model(model_path: str | None, model_config: str | None, beside_scrip
         )
         message = f"{model_path} is not on this machine; using {what} (pass --model-config PATH to check the real "
         message += "config.json)"
-        return load_config("glm5.2" if glm52 else "glm5"), Check("config.model", WARN, message), FROM_NAME
+        return load_config(family), Check("config.model", WARN, message), FROM_NAME
     return failed(f"{missing}; pass --model-config with a config.json, a model directory, 'glm5' or 'glm5.2'")

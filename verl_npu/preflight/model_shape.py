@@ -31,17 +31,18 @@ from verl_npu import inputs
 from verl_npu.bounded_read import MIB, NotReadable, expand_user, read_text
 from verl_npu.errors import UserError
 from verl_npu.inputs import MAX_EXPERTS, MAX_HEADS, MAX_HIDDEN, MAX_LAYERS, MAX_TOKENS, MAX_VOCAB, InputError
+from verl_npu.models.glm5 import names
+from verl_npu.models.glm5.config import glm5_2_indexer_types
 from verl_npu.preflight.values import InputErrors, Reader
 
 MAX_CONFIG_BYTES = 16 * MIB  # a model's config.json
 MAX_POSITIONS = 1 << 40  # max_position_embeddings: a declared limit, not a sequence preflight builds
 
 KNOWN_TYPES = ("llama", "qwen2", "qwen3", "qwen3_moe", "deepseek_v3", "glm_moe_dsa")
-GLM5_NAMES, GLM5_2_NAMES = ("glm5", "glm-5"), ("glm5.2", "glm-5.2")
 # GLM-5.2's published config.json (model_type glm_moe_dsa) against transformers' GlmMoeDsaConfig defaults, which
 # are GLM-5's (docs/upstream_facts.md); examples/glm5_2/config.json is that config.
 GLM5_2_DIFFERENCES: dict[str, Any] = dict(
-    indexer_types=["full" if i < 3 or (i - 2) % 4 == 0 else "shared" for i in range(78)],  # 21 full, 57 shared
+    indexer_types=glm5_2_indexer_types(78),  # 21 full, 57 shared
     index_topk_freq=4,
     index_skip_topk_offset=3,
     index_share_for_mtp_iteration=True,
@@ -451,10 +452,11 @@ def load_config(config: Any) -> dict[str, Any]:
     if hasattr(config, "to_dict"):  # a transformers PretrainedConfig: defaults already applied
         return config.to_dict()
     name = str(config)
-    if name.lower() in GLM5_NAMES + GLM5_2_NAMES:
+    family = names.named_as(name)  # "glm5", "glm-5.2", "glm5_2", ...
+    if family is not None:
         from transformers import GlmMoeDsaConfig
 
-        differences = copy.deepcopy(GLM5_2_DIFFERENCES) if name.lower() in GLM5_2_NAMES else {}
+        differences = copy.deepcopy(GLM5_2_DIFFERENCES) if family == names.GLM5_2 else {}
         return GlmMoeDsaConfig(**differences).to_dict()
     try:
         path = expand_user(name)

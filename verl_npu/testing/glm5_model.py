@@ -4,7 +4,7 @@ Uses only megatron-core's local modules (verl_npu.engine.layer_spec), so it buil
 without TransformerEngine and CPU, with DSA attention and, with ``fused_rmsnorm``, verl_npu's
 RMSNorm. Weights are not loaded (random init): this is the engine's test model.
 
-Its TransformerConfig is the bridge's (verl_npu.engine.glm5_config.glm5_config_fields on top of the
+Its TransformerConfig is the bridge's (verl_npu.models.glm5.config.glm5_config_fields on top of the
 model-shape fields mbridge's LLMBridge maps) with the differences below as named overrides, and
 nothing else (tests_npu/test_glm5_model.py compares it with GLM5Bridge's config field by field).
 """
@@ -15,8 +15,8 @@ from typing import Any
 
 import torch
 
-from verl_npu.engine.glm5_config import glm5_config_fields
 from verl_npu.engine.layer_spec import local_decoder_block_spec
+from verl_npu.models.glm5.config import glm5_config_fields
 
 # Tokens reach the experts by all-gather: the test model runs in one process or on a few gloo ranks,
 # where the bridge's all-to-all dispatcher buys nothing.

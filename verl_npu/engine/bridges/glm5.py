@@ -51,7 +51,7 @@ from verl_npu.engine.bridges.absorbed_mla import merge_kv_b_proj, split_kv_b_pro
 from verl_npu.engine.bridges.fast_read import ParallelSafeTensorIO, TensorReads
 from verl_npu.engine.bridges.fp8_safetensors import BlockFP8SafeTensorIO, is_fp8_block_scaled
 from verl_npu.engine.bridges.hf_save import SavesWhatIsExported
-from verl_npu.engine.glm5_config import (
+from verl_npu.models.glm5.config import (
     MODEL_TYPE,
     SHARED,
     glm5_config_fields,

@@ -1,4 +1,4 @@
-"""GLM-5's HF config -> megatron-core TransformerConfig fields, and what the bridge refuses.
+"""GLM-5's HF config -> megatron-core TransformerConfig fields, GLM-5.2's indexer layout, and what the bridge refuses.
 
 Pure Python (no torch, mbridge or megatron imports): the bridge (verl_npu.engine.bridges.glm5)
 builds its model with these fields, and ``verl-npu preflight`` runs the same function on a launch's
@@ -66,6 +66,13 @@ def _router_fields(hf_config: Any) -> dict[str, Any]:
 
 
 FULL, SHARED = "full", "shared"
+
+
+def glm5_2_indexer_types(num_layers: int) -> list[str]:
+    """GLM-5.2's published IndexShare layout (``indexer_types`` of examples/glm5_2/config.json, 78 layers: 21 full,
+    57 shared): a full indexer in layers 0-2 and in every fourth layer from 2 on, shared in the others. Test models
+    cut it to fewer layers."""
+    return [FULL if i < 3 or (i - 2) % 4 == 0 else SHARED for i in range(num_layers)]
 
 
 def indexer_types(hf_config: Any) -> tuple[str, ...]:

@@ -1,0 +1,54 @@
+"""GLM-5's family facts in one place (verl_npu/models/glm5/): GLM-5.2's indexer layout and preflight's published
+differences agree with the published config (examples/glm5_2/config.json), and every way of naming the family
+resolves to the same config."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from verl_npu.models.glm5 import names
+from verl_npu.models.glm5.config import glm5_2_indexer_types
+from verl_npu.preflight.model_shape import GLM5_2_DIFFERENCES, load_config
+
+PUBLISHED = json.loads((Path(__file__).resolve().parents[1] / "examples" / "glm5_2" / "config.json").read_text())
+
+
+def test_the_indexer_rule_is_the_published_layout():
+    assert glm5_2_indexer_types(PUBLISHED["num_hidden_layers"]) == PUBLISHED["indexer_types"]
+    assert glm5_2_indexer_types(78).count("full") == 21
+    assert glm5_2_indexer_types(8) == ["full"] * 3 + ["shared"] * 3 + ["full", "shared"]
+
+
+def test_preflights_published_differences_are_the_published_config():
+    differing = {key: (value, PUBLISHED.get(key)) for key, value in GLM5_2_DIFFERENCES.items()
+                 if PUBLISHED.get(key) != value}  # fmt: skip
+    assert not differing
+
+
+@pytest.mark.parametrize(
+    ("text", "as_value", "in_path"),
+    [
+        ("glm5", names.GLM5, names.GLM5),
+        ("GLM-5", names.GLM5, names.GLM5),
+        ("glm5.2", names.GLM5_2, names.GLM5_2),
+        ("glm5_2", names.GLM5_2, names.GLM5_2),
+        ("GLM-5-2", names.GLM5_2, names.GLM5_2),
+        ("glm52", names.GLM5_2, names.GLM5_2),
+        ("GLM-5.2-FP8", None, names.GLM5_2),
+        ("glm5.25", None, names.GLM5),  # not 5.2: a 5.25 names GLM-5's family only
+        ("qwen2.5", None, None),
+    ],
+)
+def test_every_name_of_the_family_is_read_alike(text, as_value, in_path):
+    assert names.named_as(text) == as_value and names.named_in(text) == in_path
+
+
+def test_a_model_config_given_by_any_glm5_2_name_is_the_published_architecture():
+    # --model-config glm5_2 once fell through to a hub lookup while a model path named glm5_2 was recognised
+    configs = [load_config(name) for name in ("glm5.2", "glm5_2", "GLM-5-2")]
+    assert all(config == configs[0] for config in configs)
+    assert configs[0]["indexer_types"] == PUBLISHED["indexer_types"]
+    assert set(load_config("glm5")["indexer_types"]) == {"full"}  # GLM-5: every layer computes its top-k

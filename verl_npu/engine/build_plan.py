@@ -24,12 +24,11 @@ from verl_npu.contracts.mindspeed import (
     DSA_CP_ALGORITHM,
     DSA_FUSED_OPERATORS,
     DSA_SWITCHES,
-    FUSED_KL_ATTENTION_HEADS,
 )
-from verl_npu.contracts.torch_npu import INDEXER_SPARSE_COUNTS
 from verl_npu.dtypes import DtypeError, parse
 from verl_npu.errors import UserError
 from verl_npu.models.glm5.config import FULL, MODEL_TYPE, SHARED
+from verl_npu.ops import fused_dsa_rules
 from verl_npu.pipeline_split import stage_layers
 
 OTC = "override_transformer_config"
@@ -51,15 +50,6 @@ PRECISIONS = {
     "exp_avg_dtype": ("fp32", "bf16"),
     "exp_avg_sq_dtype": ("fp32", "bf16"),
 }
-# The fused DSA operators' input rules (torch-npu 2.10.0.post4, ops-transformer tiling; see
-# verl_npu/ops/ascend.py and verl_npu/contracts/torch_npu.py): one latent key head of 512 + 64 rope
-# channels, indexer heads of dim 128, and a top-k both the indexer (sparse_count) and the KL-loss
-# operator (multiples of 1024 up to 8192) take.
-FUSED_DSA_LATENT_DIM, FUSED_DSA_ROPE_DIM = 512, 64
-FUSED_DSA_INDEXER_HEADS = (8, 16, 32, 64)
-FUSED_DSA_INDEXER_HEAD_DIM = 128
-FUSED_DSA_TOPK = tuple(k for k in range(1024, 8193, 1024) if k in INDEXER_SPARSE_COUNTS)
-FUSED_DSA_HEADS_PER_DEVICE = (1, 2, 4, 8, 16, 32, 64, 128)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -579,46 +569,46 @@ def _fused_dsa_shapes(problems: _Problems, tf: Mapping[str, Any], engine_config:
     switches = f"{OTC}.{DSA_ABSORB} and the fused DSA operators"
     drop = f"drop the four DSA switches ({', '.join(DSA_SWITCHES)}); verl-npu's portable DSA path takes any shape"
     latent, rope = _get(hf_config, "kv_lora_rank"), _get(hf_config, "qk_rope_head_dim")
-    if (latent, rope) != (FUSED_DSA_LATENT_DIM, FUSED_DSA_ROPE_DIM):
+    if (latent, rope) != (fused_dsa_rules.LATENT_DIM, fused_dsa_rules.ROPE_DIM):
         problems.add(
             f"{switches} with kv_lora_rank={latent}, qk_rope_head_dim={rope}",
-            f"npu_sparse_flash_attention takes one latent key head of {FUSED_DSA_LATENT_DIM} channels plus "
-            f"{FUSED_DSA_ROPE_DIM} rope channels",
+            f"npu_sparse_flash_attention takes one latent key head of {fused_dsa_rules.LATENT_DIM} channels plus "
+            f"{fused_dsa_rules.ROPE_DIM} rope channels",
             drop,
         )
     heads, tp = _get(hf_config, "num_attention_heads"), int(_get(engine_config, "tensor_model_parallel_size", 1) or 1)
-    if heads not in FUSED_KL_ATTENTION_HEADS:
+    if heads not in fused_dsa_rules.KL_QUERY_HEADS:
         problems.add(
             f"{switches} with num_attention_heads={heads}",
-            f"the fused KL-loss operator takes the TP-gathered attention heads in {FUSED_KL_ATTENTION_HEADS} "
+            f"the fused KL-loss operator takes the TP-gathered attention heads in {fused_dsa_rules.KL_QUERY_HEADS} "
             "(MindSpeed checks the same when it builds the TransformerConfig)",
             drop,
         )
-    elif heads % tp or heads // tp not in FUSED_DSA_HEADS_PER_DEVICE:
+    elif heads % tp or heads // tp not in fused_dsa_rules.SFA_QUERY_HEADS:
         problems.add(
             f"{switches} with num_attention_heads={heads}, tensor_model_parallel_size={tp}",
-            f"npu_sparse_flash_attention takes {FUSED_DSA_HEADS_PER_DEVICE} query heads per device",
+            f"npu_sparse_flash_attention takes {fused_dsa_rules.SFA_QUERY_HEADS} query heads per device",
             "use a tensor parallel size that divides the heads into a power of two",
         )
     index_heads, index_dim = tf.get("dsa_indexer_n_heads"), tf.get("dsa_indexer_head_dim")
-    if index_heads not in FUSED_DSA_INDEXER_HEADS:
+    if index_heads not in fused_dsa_rules.KL_INDEXER_HEADS:
         problems.add(
             f"{switches} with dsa_indexer_n_heads={index_heads}",
-            f"the fused indexer and KL-loss operators take {FUSED_DSA_INDEXER_HEADS} indexer heads",
+            f"the fused indexer and KL-loss operators take {fused_dsa_rules.KL_INDEXER_HEADS} indexer heads",
             drop,
         )
-    if index_dim != FUSED_DSA_INDEXER_HEAD_DIM:
+    if index_dim != fused_dsa_rules.INDEXER_HEAD_DIM:
         problems.add(
             f"{switches} with dsa_indexer_head_dim={index_dim}",
-            f"npu_lightning_indexer takes indexer head dim {FUSED_DSA_INDEXER_HEAD_DIM}",
+            f"npu_lightning_indexer takes indexer head dim {fused_dsa_rules.INDEXER_HEAD_DIM}",
             drop,
         )
     topk = tf.get("dsa_indexer_topk")
-    if topk not in FUSED_DSA_TOPK:
+    if topk not in fused_dsa_rules.FUSED_TOPK:
         problems.add(
             f"{switches} with dsa_indexer_topk={topk}",
             f"the fused KL-loss operator takes a top-k that is a multiple of 1024 up to 8192 (npu_lightning_indexer "
-            f"takes those too): {', '.join(map(str, FUSED_DSA_TOPK))}",
+            f"takes those too): {', '.join(map(str, fused_dsa_rules.FUSED_TOPK))}",
             drop,
         )
 

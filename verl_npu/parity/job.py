@@ -42,6 +42,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+from verl_npu.contracts.mindspeed import DSA_SWITCHES
 from verl_npu.errors import UserError
 from verl_npu.parity.models import (
     DEFAULT_MODELS,
@@ -60,9 +61,7 @@ PATHS = ("default", "portable", "fused")
 # back (a summary: later steps' losses diverge chaotically between correct platforms)
 DEFAULT_STEPS = 2
 LEARNING_RATE = 1e-3
-# MindSpeed's four DSA switches (they go on together: verl_npu/contracts/mindspeed.py)
-FUSED_DSA_FLAGS = ("use_dsa_absorb", "use_fused_lightning_indexer", "use_fused_sparse_flash_attention",
-                   "use_fused_lightning_indexer_kl_loss")  # fmt: skip
+FUSED_DSA_FLAGS = DSA_SWITCHES  # MindSpeed's four DSA switches (they go on together)
 
 
 class ParityError(UserError):

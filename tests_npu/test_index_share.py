@@ -9,22 +9,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers import GlmMoeDsaConfig
+from support.index_share_model import HF, KINDS, SEQ
 
 import verl_npu.megatron_adaptor  # noqa: F401  (runtime patches)
 from verl_npu.engine import index_share
-from verl_npu.models.glm5.config import glm5_2_indexer_types
 from verl_npu.testing.glm5_model import build_glm5_model
-
-KINDS = glm5_2_indexer_types(8)
-HF = GlmMoeDsaConfig(
-    vocab_size=128, hidden_size=64, num_hidden_layers=8, num_attention_heads=4, intermediate_size=128,
-    moe_intermediate_size=32, n_routed_experts=4, n_shared_experts=1, num_experts_per_tok=2,
-    mlp_layer_types=["dense", "sparse", "dense", "sparse", "dense", "sparse", "dense", "sparse"],
-    q_lora_rank=32, kv_lora_rank=16, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16,
-    index_n_heads=2, index_head_dim=16, index_topk=6, max_position_embeddings=64, indexer_types=KINDS,
-)  # fmt: skip
-SEQ = 24
 
 pytestmark = pytest.mark.usefixtures("cpu_megatron_harness")
 

@@ -331,3 +331,17 @@ def test_the_citation_lint_catches_the_forms_it_was_written_for():
         assert OUTSIDE_CITATIONS.search(line), line
     for line in ["# ../shared/upstream/MindSpeed-<commit>.tar.gz", "docs/upstream_facts.md", "shared/__init__.py"]:
         assert not OUTSIDE_CITATIONS.search(line), line
+
+
+def test_support_code_imports_no_test_module():
+    """tests_npu/support/ is what tests share; a test module is not (importing one runs its module-level setup and
+    ties the helper to that file's layout)."""
+    importing = []
+    for path in sorted((REPO / "tests_npu" / "support").rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = [node.module or ""] if isinstance(node, ast.ImportFrom) else []
+            names += [alias.name for alias in node.names] if isinstance(node, ast.Import) else []
+            importing += [
+                f"{path.relative_to(REPO)}: {name}" for name in names if name.split(".")[0].startswith("test_")
+            ]
+    assert not importing

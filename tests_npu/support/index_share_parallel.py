@@ -72,7 +72,7 @@ def main(
     from megatron.core import parallel_state, tensor_parallel
     from megatron.core.pipeline_parallel import get_forward_backward_func
     from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
-    from test_index_share import HF, SEQ
+    from support.index_share_model import HF, SEQ
 
     import verl_npu.megatron_adaptor  # noqa: F401  (runtime patches)
     from verl_npu.testing.glm5_model import build_glm5_model

@@ -222,7 +222,8 @@ def test_the_fused_dsa_path_is_taken_in_bf16_runs_only():
     """MindSpeed's fused DSA kernels cast q, k and weights to bf16 (docs/upstream_facts.md): an fp32 run on the
     default path takes the PyTorch DSA path, and a run asked for on the fused path in fp32 is refused by name
     (tests_npu/test_ascend_sim_mindspeed.py builds that composition on purpose, with stand-in kernels in fp32)."""
-    from verl_npu.parity.job import FUSED_DSA_FLAGS, Device, ParityError, RunOptions, engine_config
+    from verl_npu.contracts.mindspeed import DSA_SWITCHES as FUSED_DSA_FLAGS
+    from verl_npu.parity.job import Device, ParityError, RunOptions, engine_config
     from verl_npu.parity.models import MODELS
 
     model, npu = MODELS["glm5_2_fused_shape"], Device("ascend", "Ascend910B3")

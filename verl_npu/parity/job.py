@@ -42,7 +42,6 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from verl_npu.contracts.mindspeed import DSA_SWITCHES
 from verl_npu.errors import UserError
 from verl_npu.parity.models import (
     DEFAULT_MODELS,
@@ -61,7 +60,6 @@ PATHS = ("default", "portable", "fused")
 # back (a summary: later steps' losses diverge chaotically between correct platforms)
 DEFAULT_STEPS = 2
 LEARNING_RATE = 1e-3
-FUSED_DSA_FLAGS = DSA_SWITCHES  # MindSpeed's four DSA switches (they go on together)
 
 
 class ParityError(UserError):
@@ -217,7 +215,9 @@ def engine_config(model: ParityModel, device: Device, path: str, dtype: str = "b
         if not model.fused_dsa:
             raise ParityError(f"--path fused: model {model.name}'s shapes are not the ones the fused DSA operators "
                               "take; use glm5_2_fused_shape")  # fmt: skip
-        otc |= dict.fromkeys(FUSED_DSA_FLAGS, True)
+        from verl_npu.contracts.mindspeed import DSA_SWITCHES  # here: the CLI's parser loads no contract
+
+        otc |= dict.fromkeys(DSA_SWITCHES, True)  # MindSpeed's four DSA switches go on together
     return {
         "vanilla_mbridge": True, "use_distributed_optimizer": dtype != "fp64", "use_remove_padding": False,
         "override_transformer_config": otc,

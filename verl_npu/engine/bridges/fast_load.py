@@ -70,6 +70,13 @@ def to_device(name: str, raw: dict[str, torch.Tensor], device: torch.device) -> 
     return tensor.to(device)
 
 
+def take_to_device(reads: TensorReads, reader: SafeTensorIO, hf_names: list[str], device: torch.device):
+    """The HF tensors ``hf_names`` taken from ``reads`` (with their block scales where ``reader`` dequantises), on
+    ``device``, FP8 ones dequantised there (:func:`to_device`)."""
+    raw = {n: reads.take(n) for n in dict.fromkeys(names_for_device(reader, hf_names))}
+    return [to_device(n, raw, device) for n in hf_names]
+
+
 def load_weights(bridge, models: list[torch.nn.Module], weights_path: str, memory_efficient: bool = False) -> None:
     """``bridge.load_weights(models, weights_path)``, faster (module docstring). ``memory_efficient`` is accepted
     for mbridge's signature: the host holds at most one model chunk's tensors (those read and not yet loaded)."""
@@ -114,10 +121,9 @@ def _load_chunk(bridge, model, local_to_hf: dict[str, list[str]], read_here: set
         param = state[local]
         mcore_weight = None
         if read_here.intersection(hf_names):
-            raw = {n: reads.take(n) for n in dict.fromkeys(names_for_device(bridge.safetensor_io, hf_names))}
-            hf_weights = [to_device(n, raw, param.device) for n in hf_names]
+            hf_weights = take_to_device(reads, bridge.safetensor_io, hf_names, param.device)
             mcore_weight = bridge._weight_to_mcore_format(local, hf_weights)
-            del raw, hf_weights
+            del hf_weights
         if hf_names[0] in _EMBEDDINGS and param.shape[0] == 1 and (mcore_weight is None or mcore_weight.shape[0] != 1):
             continue  # a value model's one-row head: not the checkpoint's
         expert = ".mlp.experts.linear_fc" in local

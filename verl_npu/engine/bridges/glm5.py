@@ -387,7 +387,7 @@ class GLM5Bridge(DeepseekV3Bridge):
         # reads claimed), FP8 dequantised on the device
         io = self.safetensor_io
         uses = collections.Counter(
-            n for ns in hf_names.values() for n in fast_load.names_for_device(io, ns) if reads_here
+            n for ns in (hf_names.values() if reads_here else ()) for n in fast_load.names_for_device(io, ns)
         )
         state = model.state_dict()
         device = next((p.device for p in model.parameters()), None)
@@ -395,8 +395,7 @@ class GLM5Bridge(DeepseekV3Bridge):
             for local, name in names.items():
                 param, shards = state[local], None
                 if reads_here:
-                    raw = {n: reads.take(n) for n in dict.fromkeys(fast_load.names_for_device(io, hf_names[local]))}
-                    tensors = [fast_load.to_device(n, raw, param.device) for n in hf_names[local]]
+                    tensors = fast_load.take_to_device(reads, io, hf_names[local], param.device)
                     weight = self._weight_to_mcore_format(name, tensors)
                     split = self._weight_split_across_tp(name, weight, param, self.mpu.etp_size)  # TE-style name
                     shards = [t.to(param.device, dtype=param.dtype).contiguous() for t in split]

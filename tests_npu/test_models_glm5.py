@@ -1,6 +1,6 @@
-"""GLM-5's family facts in one place (verl_npu/models/glm5/): GLM-5.2's indexer layout and preflight's published
-differences agree with the published config (examples/glm5_2/config.json), and every way of naming the family
-resolves to the same config."""
+"""GLM-5's family facts in one place (verl_npu/models/glm5/): GLM-5.2's indexer layout agrees with the published
+config (examples/glm5_2/config.json), which the package ships and preflight reads for a GLM-5.2 name, and every way of
+naming the family resolves to the same config."""
 
 from __future__ import annotations
 
@@ -9,11 +9,12 @@ from pathlib import Path
 
 import pytest
 
-from verl_npu.models.glm5 import names
+from verl_npu.models.glm5 import family, names
 from verl_npu.models.glm5.config import glm5_2_indexer_types
-from verl_npu.preflight.model_shape import GLM5_2_DIFFERENCES, load_config
+from verl_npu.preflight.model_shape import load_config
 
-PUBLISHED = json.loads((Path(__file__).resolve().parents[1] / "examples" / "glm5_2" / "config.json").read_text())
+EXAMPLE_CONFIG = Path(__file__).resolve().parents[1] / "examples" / "glm5_2" / "config.json"
+PUBLISHED = json.loads(EXAMPLE_CONFIG.read_text())
 
 
 def test_the_indexer_rule_is_the_published_layout():
@@ -22,10 +23,24 @@ def test_the_indexer_rule_is_the_published_layout():
     assert glm5_2_indexer_types(8) == ["full"] * 3 + ["shared"] * 3 + ["full", "shared"]
 
 
-def test_preflights_published_differences_are_the_published_config():
-    differing = {key: (value, PUBLISHED.get(key)) for key, value in GLM5_2_DIFFERENCES.items()
-                 if PUBLISHED.get(key) != value}  # fmt: skip
-    assert not differing
+def test_the_package_ships_the_examples_published_config():
+    assert family.published_glm5_2_config() == PUBLISHED
+    assert load_config("glm5.2") == load_config(str(EXAMPLE_CONFIG))  # the name and the example's file are one config
+
+
+def test_a_published_config_that_is_not_glm5_is_refused_as_a_broken_install(monkeypatch, tmp_path):
+    damaged = tmp_path / family.PUBLISHED_GLM5_2
+    damaged.write_text('{"model_type": "llama"}')
+    monkeypatch.setattr(family.importlib.resources, "files", lambda package: tmp_path)
+    family._published_glm5_2.cache_clear()
+    try:
+        with pytest.raises(family.PublishedConfigError, match=r"not a glm_moe_dsa config\.json; reinstall verl-npu"):
+            family.published_glm5_2_config()
+        damaged.write_text("{not json")
+        with pytest.raises(family.PublishedConfigError, match="cannot be read"):
+            family.published_glm5_2_config()
+    finally:
+        family._published_glm5_2.cache_clear()
 
 
 @pytest.mark.parametrize(

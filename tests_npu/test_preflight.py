@@ -414,7 +414,8 @@ def test_role_predicates_agree_with_verls_own(overrides):
 
     from verl.trainer.ppo.utils import need_critic, need_reference_policy
 
-    from verl_npu.preflight.config_check import compose_config, needs_critic, needs_reference_policy
+    from verl_npu.preflight.compose import compose_config
+    from verl_npu.preflight.verl_validation import needs_critic, needs_reference_policy
 
     config, checks = compose_config("ppo_megatron_trainer", overrides)
     assert config is not None, checks
@@ -508,11 +509,11 @@ def test_a_repeated_check_reuses_the_cached_answer_until_the_model_config_change
     first = run_preflight(LAUNCH, model_config=str(tmp_path / "glm"))
     assert first.verdict == "go" and len(list((tmp_path / "cache").rglob("*.json"))) == 1
 
-    from verl_npu.preflight import config_check
+    from verl_npu.preflight import compose
 
     started = []
     monkeypatch.setattr(worker.processes, "start", lambda *a, **k: started.append(a) or pytest.fail("worker ran"))
-    monkeypatch.setattr(config_check, "_compose", lambda *a: pytest.fail("a cached answer composed again"))
+    monkeypatch.setattr(compose, "_compose", lambda *a: pytest.fail("a cached answer composed again"))
     second = run_preflight(LAUNCH, model_config=str(tmp_path / "glm"))
     assert second.to_dict() == first.to_dict() and not started
 

@@ -14,7 +14,7 @@ pytest.importorskip("tree_sitter_bash", reason="the launch reader parses bash wi
 
 from verl_npu.checks import FAIL
 from verl_npu.preflight import run_preflight
-from verl_npu.preflight.config_check import ConfigSearchError, config_search, verl_config_dir
+from verl_npu.preflight.compose import ConfigSearchError, config_search, verl_config_dir
 
 REPO = Path(__file__).resolve().parent.parent
 EXAMPLE = REPO / "examples" / "glm5_2"
@@ -148,7 +148,7 @@ def test_an_unusable_config_path_is_one_fail_and_no_worker(tmp_path, monkeypatch
 
 
 def test_a_config_dir_whose_name_holds_hydras_list_syntax_is_one_search_directory(tmp_path):
-    from verl_npu.preflight.config_check import compose_config
+    from verl_npu.preflight.compose import compose_config
 
     extra = tmp_path / "odd,name]'x"
     (extra / "trainer_extras").mkdir(parents=True)

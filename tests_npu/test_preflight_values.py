@@ -65,7 +65,7 @@ def value_failures(checks) -> dict[str, str]:
 @pytest.fixture(scope="module")
 def megatron_config() -> dict:
     """verl's composed ppo_megatron_trainer config with OVERRIDES, resolved to plain containers (composed once)."""
-    from verl_npu.preflight.config_check import _compose, as_mapping
+    from verl_npu.preflight.compose import _compose, as_mapping
 
     return as_mapping(_compose("ppo_megatron_trainer", OVERRIDES[1:]))
 
@@ -165,7 +165,7 @@ def test_a_section_that_is_not_a_mapping_is_named(megatron_config):
 
 
 def test_an_fsdp_launch_has_no_megatron_actor_and_the_mesh_says_what_it_skips():
-    from verl_npu.preflight.config_check import _compose, as_mapping
+    from verl_npu.preflight.compose import _compose, as_mapping
 
     config = as_mapping(
         _compose("ppo_trainer", ["actor_rollout_ref.model.path=/x", "actor_rollout_ref.rollout.name=vllm"])

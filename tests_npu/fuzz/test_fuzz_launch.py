@@ -165,7 +165,7 @@ def _override(draw) -> str:
 
 @given(overrides=st.lists(_override(), max_size=3))
 def test_override_lists_compose_or_fail_with_a_named_check(overrides):
-    from verl_npu.preflight.config_check import compose_config
+    from verl_npu.preflight.compose import compose_config
 
     launch = launch_from_overrides(overrides)
     config, checks = compose_config(launch.config_name, launch.overrides)

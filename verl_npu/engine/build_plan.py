@@ -27,7 +27,8 @@ from verl_npu.contracts.mindspeed import (
 )
 from verl_npu.dtypes import DtypeError, parse
 from verl_npu.errors import UserError
-from verl_npu.models.glm5.config import FULL, MODEL_TYPE, SHARED
+from verl_npu.models import family as model_family
+from verl_npu.models.family import FULL, SHARED
 from verl_npu.ops import fused_dsa_rules
 from verl_npu.pipeline_split import stage_layers
 
@@ -120,23 +121,18 @@ def model_chunks(num_layers: int, layout: PipelineLayout) -> list[ModelChunk]:
     return chunks
 
 
-def _attrs(hf_config: Any) -> Any:
-    """A config dict (preflight's) read as attributes, the way the engine's PretrainedConfig is."""
-    import types
-
-    return types.SimpleNamespace(**hf_config) if isinstance(hf_config, Mapping) else hf_config
-
-
 def index_share_kinds(hf_config: Any) -> tuple[str, ...] | None:
-    """Each layer's indexer ("full" / "shared") for a glm_moe_dsa model or one listing indexer_types, else None.
+    """Each layer's indexer ("full" / "shared") for a model of a registered DSA family (verl_npu.models), or for one
+    listing GLM-5.2's ``indexer_types``, else None.
 
-    Raises ValueError for a list the engine cannot build (verl_npu.models.glm5.config.indexer_types).
+    Raises ValueError for a layout the engine cannot build (the family's ``indexer_kinds``).
     """
-    if _get(hf_config, "model_type") != MODEL_TYPE and _get(hf_config, "indexer_types") is None:
-        return None
+    kinds = model_family.layer_kinds(model_family.as_attributes(hf_config))
+    if kinds is not None or _get(hf_config, "indexer_types") is None:
+        return kinds
     from verl_npu.models.glm5.config import indexer_types
 
-    return indexer_types(_attrs(hf_config))
+    return indexer_types(model_family.as_attributes(hf_config))
 
 
 class BuildPlanError(UserError):

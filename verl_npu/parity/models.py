@@ -36,9 +36,9 @@ from typing import Any
 
 from verl_npu.errors import UserError
 from verl_npu.models.glm5.config import glm5_2_indexer_types
+from verl_npu.models.glm5.family import published_glm5_2_config
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
-GLM5_2_CONFIG = REPO_ROOT / "examples" / "glm5_2" / "config.json"
 QWEN2_5_CONFIG = REPO_ROOT / "ci" / "nightly" / "models" / "qwen2_5_0_5b" / "config.json"
 
 
@@ -51,7 +51,9 @@ class ParityModel:
     """One parity model: its real config shrunk (read when first used), the data it runs on, the path it exercises."""
 
     name: str
-    family: str  # "glm5_2" (examples/glm5_2/config.json) or "qwen2_5" (ci/nightly/models/qwen2_5_0_5b/config.json)
+    # "glm5_2" (GLM-5.2's published config, verl_npu/models/glm5/family.py) or "qwen2_5"
+    # (ci/nightly/models/qwen2_5_0_5b/config.json)
+    family: str
     sizes: tuple[tuple[str, Any], ...]
     seq_len: int
     batch: int  # sequences per step and in the evaluation batch
@@ -100,7 +102,7 @@ def _glm5_2_layers(layers: int) -> dict[str, Any]:
 
 
 def _glm5_2(num_hidden_layers: int = 8, **sizes: Any) -> dict[str, Any]:
-    published = _published(GLM5_2_CONFIG)
+    published = published_glm5_2_config()
     config = {**published, **_glm5_2_layers(num_hidden_layers), **sizes}
     config.pop("torch_dtype", None)
     config["qk_head_dim"] = config["qk_nope_head_dim"] + config["qk_rope_head_dim"]

@@ -5,8 +5,9 @@ divide or an out-of-memory. Preflight answers before it queues, on any machine (
 
 1. ``launch``: the bash launch script is read statically (never run) and the trainer's overrides
    recovered, with script bugs it can see;
-2. ``config_check``: the overrides composed with verl's own Hydra config, then verl's validation
-   and the engine's build plan;
+2. ``compose``: the overrides composed with verl's own Hydra config; ``verl_validation``: verl's own validation
+   of it, in a child process that imports torch (``worker``); ``engine_checks``: the engine's build plan and the
+   model family's bridge for each Megatron role, and what the rollout can serve;
 3. ``mesh``: the device mesh of every role;
 4. ``memory``: HBM per device per pipeline stage and host RAM per node;
 5. ``startup``: the checkpoint bytes each node loads, the load's time at the nodes' read rate, and the HCCL

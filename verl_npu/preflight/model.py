@@ -7,7 +7,7 @@ from typing import Any
 
 from verl_npu.checks import FAIL, OK, WARN, Check
 from verl_npu.errors import UserError
-from verl_npu.models.glm5 import names
+from verl_npu.models import family as model_family
 from verl_npu.preflight.model_shape import load_config
 
 # where the model config came from (PreflightReport.model_origin)
@@ -25,9 +25,9 @@ def resolve_model(model_path: str | None, model_config: str | None, beside_scrip
 
     In order: --model-config; the launch's model path when it is on this machine; a ``config.json`` beside the
     launch script (``beside_script``: an example ships its model's published architecture there, e.g.
-    examples/glm5_2/config.json); for a GLM-5 / GLM-5.2 path (the usual case on a laptop) transformers'
-    ``GlmMoeDsaConfig`` defaults, with GLM-5.2's published differences for a GLM-5.2 name, with a warning. Any
-    other missing model is an error.
+    examples/glm5_2/config.json); for a path a registered model family names (verl_npu.models; a GLM-5 / GLM-5.2
+    path, the usual case on a laptop) that family's config of the variant named, with a warning. Any other missing
+    model is an error.
     """
 
     def failed(message: str) -> Resolved:
@@ -56,16 +56,10 @@ def resolve_model(model_path: str | None, model_config: str | None, beside_scrip
         )
         return hf, Check("config.model", OK, message), FROM_BESIDE_SCRIPT
     name = Path(model_path).name if model_path else ""
-    family = names.named_in(name) if model_config is None else None
-    if family is not None:
-        glm52 = family == names.GLM5_2
-        what = (
-            "GLM-5.2's published architecture (transformers' GlmMoeDsaConfig defaults with GLM-5.2's indexer_types: "
-            "21 full / 57 shared DSA layers, RoPE theta 8e6, fp32 router)"
-            if glm52
-            else "GLM-5's shape from transformers' GlmMoeDsaConfig (every DSA layer full)"
-        )
-        message = f"{model_path} is not on this machine; using {what} (pass --model-config PATH to check the real "
-        message += "config.json)"
-        return load_config(family), Check("config.model", WARN, message), FROM_NAME
+    named = model_family.named_in(name) if model_config is None else None
+    if named is not None:
+        family, variant = named
+        message = f"{model_path} is not on this machine; using {family.describe(variant)} (pass --model-config PATH "
+        message += "to check the real config.json)"
+        return family.variant_config(variant), Check("config.model", WARN, message), FROM_NAME
     return failed(f"{missing}; pass --model-config with a config.json, a model directory, 'glm5' or 'glm5.2'")

@@ -1,27 +1,26 @@
 """The shape of a decoder-only model, read from its Hugging Face config, and its parameter counts.
 
-``ModelShape.from_hf`` takes a transformers ``PretrainedConfig``, a dict, a path (a model directory
-or its ``config.json``), a model id (resolved offline only: ``local_files_only=True``), ``"glm5"``
-(transformers' ``GlmMoeDsaConfig()`` defaults) or ``"glm5.2"`` (those defaults with GLM-5.2's published
-differences, :data:`GLM5_2_DIFFERENCES`). Known families (llama, qwen2, qwen3, qwen3_moe,
-deepseek_v3, glm_moe_dsa) get transformers' own defaults for keys the dict leaves out; any other
-``model_type`` must spell out every required key. Every value is read through verl_npu.inputs (:data:`SIZES`): a
-value that is missing, of the wrong type or out of range is an InputErrors (a ValueError) naming each one, and a
-config.json is checked before transformers builds its family's config class from it (:func:`check_values`).
+``ModelShape.from_hf`` takes a transformers ``PretrainedConfig``, a dict, a path (a model directory or its
+``config.json``), a model id (resolved offline only: ``local_files_only=True``), or a name a registered model family
+knows (verl_npu.models: ``"glm5"`` is transformers' ``GlmMoeDsaConfig()`` defaults, ``"glm5.2"`` GLM-5.2's published
+config). Known families (llama, qwen2, qwen3, qwen3_moe, deepseek_v3, and every registered one) get their defaults for
+keys the dict leaves out; any other ``model_type`` must spell out every required key. Every value is read through
+verl_npu.inputs (:data:`SIZES`): a value that is missing, of the wrong type or out of range is an InputErrors (a
+ValueError) naming each one, and a config.json is checked before transformers builds its family's config class from
+it (:func:`check_values`).
 
 Counts follow the modules transformers instantiates for the family (checked against real tiny models
 in tests_npu/test_preflight_memory.py), split the way megatron shards them: ``tp`` (split over tensor
 parallel ranks), ``replicated`` (norms, router, DSA indexer, and MLA down projections, which TE builds
 ``duplicated``) and ``expert`` (all routed experts of the layer; megatron splits them over EP x ETP).
 Multi-token-prediction layers are not modelled (transformers does not instantiate them either).
-GLM-5.2's "shared" DSA layers (``indexer_types``, IndexShare) have no indexer: counted as the
+A DSA family's "shared" layers (GLM-5.2's ``indexer_types``, IndexShare) have no indexer: counted as the
 published checkpoint and verl-npu's engine hold them, not as transformers 5.10.4 builds them (it
 instantiates an unused indexer on every layer).
 """
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 import json
 from collections.abc import Mapping, Sequence
@@ -31,31 +30,15 @@ from verl_npu import inputs
 from verl_npu.bounded_read import MIB, NotReadable, expand_user, read_text
 from verl_npu.errors import UserError
 from verl_npu.inputs import MAX_EXPERTS, MAX_HEADS, MAX_HIDDEN, MAX_LAYERS, MAX_TOKENS, MAX_VOCAB, InputError
-from verl_npu.models.glm5 import names
-from verl_npu.models.glm5.config import glm5_2_indexer_types
+from verl_npu.models import family as model_family
 from verl_npu.preflight.values import InputErrors, Reader
 
 MAX_CONFIG_BYTES = 16 * MIB  # a model's config.json
 MAX_POSITIONS = 1 << 40  # max_position_embeddings: a declared limit, not a sequence preflight builds
 
-KNOWN_TYPES = ("llama", "qwen2", "qwen3", "qwen3_moe", "deepseek_v3", "glm_moe_dsa")
-# GLM-5.2's published config.json (model_type glm_moe_dsa) against transformers' GlmMoeDsaConfig defaults, which
-# are GLM-5's (docs/upstream_facts.md); examples/glm5_2/config.json is that config.
-GLM5_2_DIFFERENCES: dict[str, Any] = dict(
-    indexer_types=glm5_2_indexer_types(78),  # 21 full, 57 shared
-    index_topk_freq=4,
-    index_skip_topk_offset=3,
-    index_share_for_mtp_iteration=True,
-    rope_parameters={"rope_type": "default", "rope_theta": 8000000.0},
-    max_position_embeddings=1048576,
-    moe_router_dtype="float32",
-    rope_interleave=True,
-    indexer_rope_interleave=True,
-    num_nextn_predict_layers=1,
-    routed_scaling_factor=2.5,
-    scoring_func="sigmoid",
-    topk_method="noaux_tc",
-)
+# the families whose defaults come from transformers' own config class; a registered family (verl_npu.models)
+# completes its own
+KNOWN_TYPES = ("llama", "qwen2", "qwen3", "qwen3_moe", "deepseek_v3")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -106,7 +89,8 @@ class ModelShape:
     # per layer: True where the DSA indexer computes its top-k ("full"), False where the layer reuses the most
     # recent full layer's ("shared": no indexer); empty = every layer full (GLM-5, DeepSeek-V3.2)
     indexer_full: tuple[bool, ...] = ()
-    # the engine runs the layers through IndexShare (verl_npu.engine.index_share): every glm_moe_dsa model
+    # the engine runs the layers through IndexShare (verl_npu.engine.index_share): every model of a registered DSA
+    # family (verl_npu.models)
     index_share: bool = False
     # the longest sequence the config declares (None: it declares none); verl's rollout passes it to vLLM as
     # max_model_len when actor_rollout_ref.rollout.max_model_len is unset (verl_npu.preflight.rollout)
@@ -406,13 +390,24 @@ def _mla_fields(r: Reader, heads: int | None, layers: int | None) -> dict[str, A
         heads, dim = size("index_n_heads"), size("index_head_dim")
         r.rule(heads is None or heads >= 1, "index_n_heads", heads, "at least 1 with a DSA indexer (index_topk)")
         r.rule(dim is None or dim >= 1, "index_head_dim", dim, "at least 1 with a DSA indexer (index_topk)")
-        model_type = r.root.get("model_type")
+        family = model_family.family_of(r.root.get("model_type"))
         mla.update(index_n_heads=heads, index_head_dim=dim, index_topk=size("index_topk"),
-                   index_share=model_type == "glm_moe_dsa")  # fmt: skip
-        kinds = _per_layer(r, "indexer_types", layers, ("full", "shared"))
-        if kinds is not None and "shared" in kinds:
-            mla["indexer_full"] = tuple(kind == "full" for kind in kinds)
+                   index_share=family is not None)  # fmt: skip
+        kinds = _per_layer(r, "indexer_types", layers, (model_family.FULL, model_family.SHARED))
+        if family is not None and layers and not r.errors:
+            kinds = _family_layer_kinds(r.root, family) or kinds
+        if kinds is not None and model_family.SHARED in kinds:
+            mla["indexer_full"] = tuple(kind == model_family.FULL for kind in kinds)
     return mla
+
+
+def _family_layer_kinds(cfg: Mapping[str, Any], family: model_family.ModelFamily) -> list[str] | None:
+    """The family's own rule for which DSA layers are full. A layout it refuses counts as listed here: the engine
+    check (verl_npu.preflight.engine_checks, ``engine.model-bridge``) fails it with the family's reason."""
+    try:
+        return list(family.indexer_kinds(model_family.as_attributes(cfg)))
+    except (ValueError, TypeError, AttributeError):
+        return None
 
 
 def _moe_layers(model_type: str, r: Reader, cfg: Mapping[str, Any], layers: int | None) -> tuple[bool, ...]:
@@ -433,15 +428,16 @@ def _moe_layers(model_type: str, r: Reader, cfg: Mapping[str, Any], layers: int 
 
         only = r.value("mlp_only_layers", indices, default=set())
         return tuple(i not in (only or ()) and (i + 1) % (step or 1) == 0 for i in range(layers))
+    family = model_family.family_of(model_type)
     first = r.integer("first_k_dense_replace", *SIZES["first_k_dense_replace"],
-                      default=3 if model_type == "glm_moe_dsa" else 0)  # fmt: skip
+                      default=family.first_dense_layers if family else 0)  # fmt: skip
     freq = r.integer("moe_layer_freq", *SIZES["moe_layer_freq"], default=1)
     return tuple(i >= (first or 0) and i % (freq or 1) == 0 for i in range(layers))
 
 
 def load_config(config: Any) -> dict[str, Any]:
-    """The HF config as a dict: a PretrainedConfig, a dict, a path or model dir, an offline model id, "glm5" or
-    "glm5.2".
+    """The HF config as a dict: a PretrainedConfig, a dict, a path or model dir, an offline model id, or a name a
+    registered model family knows ("glm5", "glm5.2").
 
     Raises ModelConfigError or InputErrors (UserErrors) for a config that is there but unusable (not JSON, values out
     of range, refused by transformers), and a plain ValueError when there is no such file, directory or cached id.
@@ -452,12 +448,10 @@ def load_config(config: Any) -> dict[str, Any]:
     if hasattr(config, "to_dict"):  # a transformers PretrainedConfig: defaults already applied
         return config.to_dict()
     name = str(config)
-    family = names.named_as(name)  # "glm5", "glm-5.2", "glm5_2", ...
-    if family is not None:
-        from transformers import GlmMoeDsaConfig
-
-        differences = copy.deepcopy(GLM5_2_DIFFERENCES) if family == names.GLM5_2 else {}
-        return GlmMoeDsaConfig(**differences).to_dict()
+    named = model_family.named_as(name)  # "glm5", "glm-5.2", "glm5_2", ...
+    if named is not None:
+        family, variant = named
+        return family.variant_config(variant)
     try:
         path = expand_user(name)
     except NotReadable as exc:
@@ -486,11 +480,14 @@ def load_config(config: Any) -> dict[str, Any]:
 def _with_family_defaults(cfg: dict[str, Any], source: str | None = None) -> dict[str, Any]:
     """A config.json dict completed with transformers' defaults for its family (known families only)."""
     model_type = cfg.get("model_type")
-    if model_type not in KNOWN_TYPES:
+    family = model_family.family_of(model_type)
+    if model_type not in KNOWN_TYPES and family is None:
         return cfg
-    from transformers import AutoConfig
-
     try:
+        if family is not None:
+            return family.complete(cfg)
+        from transformers import AutoConfig
+
         return AutoConfig.for_model(model_type, **{k: v for k, v in cfg.items() if k != "model_type"}).to_dict()
     except _refusals() as exc:  # transformers' own validation of the family's fields
         raise _refused(model_type, exc, source) from None

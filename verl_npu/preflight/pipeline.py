@@ -20,7 +20,7 @@ from verl_npu.preflight.target import Target, target
 
 if TYPE_CHECKING:
     from verl_npu.engine.build_plan import BuildPlan
-    from verl_npu.preflight.config_check import ConfigSearch
+    from verl_npu.preflight.compose import ConfigSearch
     from verl_npu.preflight.launch import Launch
     from verl_npu.preflight.mesh import TrainMesh
     from verl_npu.preflight.model_shape import ModelShape
@@ -112,7 +112,7 @@ def _check(
     Every value the later steps compute with is parsed first (:mod:`verl_npu.preflight.values` for the launch,
     :meth:`ModelShape.from_dict` for the model): one FAIL check per bad value, and then no step computes with them.
     """
-    from verl_npu.preflight import config_check
+    from verl_npu.preflight import engine_checks
     from verl_npu.preflight.router_replay import router_replay_checks
     from verl_npu.preflight.values import read_model_path
 
@@ -129,7 +129,7 @@ def _check(
     model_path, path_checks = read_model_path(resolved)
     report.checks += path_checks
     launch_env = {**request.env, **launch.env}
-    report.checks += config_check.rollout_environment_checks(resolved, launch_env)
+    report.checks += engine_checks.rollout_environment_checks(resolved, launch_env)
     if worker.running:
         _prefetch()
     hf = validate(report, worker, config, compose_checks, model_path, request.model_config, position)
@@ -138,7 +138,7 @@ def _check(
         return
     stand_in = report.model_origin in (FROM_BESIDE_SCRIPT, FROM_NAME)  # the model path's name is evidence too
     platform = request.target.platform
-    report.checks += config_check.rollout_model_checks(resolved, hf, launch_env, platform, model_path, stand_in)
+    report.checks += engine_checks.rollout_model_checks(resolved, hf, launch_env, platform, model_path, stand_in)
     report.checks += router_replay_checks(resolved, hf, launch_env, platform)
     shape = model_shape(report, hf)
     if values is None or shape is None:
@@ -206,11 +206,11 @@ def launch_checks(launch: Launch) -> list[Check]:
 
 def composition_of(report: PreflightReport, launch: Launch) -> _Composition | None:
     """What Hydra composes for the launch (None, with a FAIL check, when --config-path/--config-dir are unusable)."""
-    from verl_npu.preflight import config_check
+    from verl_npu.preflight import compose
 
     try:
-        search = config_check.config_search(launch.config_path, launch.config_dir, launch.unknowns)
-    except config_check.ConfigSearchError as exc:
+        search = compose.config_search(launch.config_path, launch.config_dir, launch.unknowns)
+    except compose.ConfigSearchError as exc:
         report.checks.append(Check("config.config-path", FAIL, str(exc)))
         return None
     overrides, mapping = launch.hydra_overrides()
@@ -232,11 +232,11 @@ def start_worker(
 
 def compose(report: PreflightReport, composition: _Composition, worker: PreflightWorker) -> Any:
     """verl's DictConfig with the launch's overrides (None when it does not compose); a cached answer has it."""
-    from verl_npu.preflight import config_check
+    from verl_npu.preflight import compose
 
     c = composition
     composed = worker.cached_composition()
-    config, checks = composed or config_check.compose_config(c.config_name, c.overrides, c.search)
+    config, checks = composed or compose.compose_config(c.config_name, c.overrides, c.search)
     report.checks += checks
     return config
 
@@ -245,10 +245,10 @@ def resolve(report: PreflightReport, config: Any) -> Mapping[str, Any] | None:
     """The composed config as plain containers, interpolations resolved (None when one does not resolve)."""
     from omegaconf.errors import OmegaConfBaseException
 
-    from verl_npu.preflight import config_check
+    from verl_npu.preflight import compose
 
     try:
-        return config_check.as_mapping(config)
+        return compose.as_mapping(config)
     except OmegaConfBaseException as exc:
         report.checks.append(Check("config.interpolation", FAIL, f"a value does not resolve: {exc}"))
         return None
@@ -300,9 +300,9 @@ def build_plans(
     report: PreflightReport, resolved: Mapping[str, Any], values: LaunchValues, hf: Mapping[str, Any], where: Target
 ) -> dict[str, BuildPlan]:
     """Each Megatron role's build plan on the target's platform (every violated rule of every role reported)."""
-    from verl_npu.preflight import config_check
+    from verl_npu.preflight import engine_checks
 
-    plans, checks = config_check.engine_plans(resolved, values, hf, where.platform)
+    plans, checks = engine_checks.engine_plans(resolved, values, hf, where.platform)
     report.checks += checks
     return plans
 

@@ -107,7 +107,7 @@ def cache_key(
     ``config_dirs``: the directories the overrides compose from (None: verl's own), hashed with every YAML in them;
     None when they hold more than :data:`MAX_CONFIG_FILES` files or :data:`MAX_CONFIG_BYTES` (then no cache).
     """
-    from verl_npu.preflight.config_check import verl_config_dir
+    from verl_npu.preflight.compose import verl_config_dir
 
     dirs = list(config_dirs) if config_dirs is not None else [verl_config_dir()]
     request = [config_name, overrides, model_config, beside_script, [str(d) for d in dirs]]
@@ -376,12 +376,12 @@ class PreflightWorker:
 
 
 def _serve() -> None:
-    from verl_npu.preflight import config_check
+    from verl_npu.preflight import verl_validation
     from verl_npu.preflight.model import resolve_model
 
-    config_check.import_verl_quietly()  # the slow part, before the request arrives
+    verl_validation.import_verl_quietly()  # the slow part, before the request arrives
     request = pickle.loads(sys.stdin.buffer.read())  # only ever our parent's pipe, never a file
-    checks = config_check.validate_with_verl(request["config"])
+    checks = verl_validation.validate_with_verl(request["config"])
     hf, model_check, origin = resolve_model(request["model_path"], request["model_config"], request["beside_script"])
     answer = {"hf": hf, "model_check": model_check.to_dict(), "checks": [c.to_dict() for c in checks]}
     answer["model_origin"] = origin

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from verl_npu.models.family import FULL, SHARED
+
 MODEL_TYPE = "glm_moe_dsa"
 
 
@@ -63,9 +65,6 @@ def _router_fields(hf_config: Any) -> dict[str, Any]:
             )
         fields.update(moe_router_num_groups=groups, moe_router_group_topk=group_topk)
     return fields
-
-
-FULL, SHARED = "full", "shared"
 
 
 def glm5_2_indexer_types(num_layers: int) -> list[str]:

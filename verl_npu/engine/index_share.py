@@ -333,7 +333,8 @@ def classes() -> tuple[type, type, type]:
     """(IndexSourceDSAttention, IndexSharedDSAttention, NoIndexer), built on megatron-core's DSAttention."""
     from megatron.core.transformer.module import MegatronModule
 
-    dsa_attention = _dsa_attention()
+    # megatron-core ships no types: as Any, mypy takes the class as a base (it refuses a variable of type `type`)
+    dsa_attention: Any = _dsa_attention()
 
     class NoIndexer(MegatronModule):
         """A shared layer's indexer: nothing to compute and no parameters (the checkpoint has none)."""

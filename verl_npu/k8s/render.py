@@ -509,7 +509,7 @@ def _numbers(request: Request) -> _Numbers:
         )
     if errors:
         raise RenderError("; ".join(errors))
-    return _Numbers(memory, shm, ttl, deadline, step, CLUSTER_WAIT_S if startup is None else startup)  # type: ignore[arg-type]
+    return _Numbers(memory, shm, ttl, deadline, step, CLUSTER_WAIT_S if startup is None else startup)
 
 
 def _with_additions(env: EnvFile, added: dict[str, str]) -> str:

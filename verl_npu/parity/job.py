@@ -136,8 +136,9 @@ def start_device() -> Device:
         init_single_process("gloo")
         return Device(kind, _cpu_name())
     init_single_process("nccl" if kind == "cuda" else "hccl", device_index=0)
-    name = torch.cuda.get_device_name(0) if kind == "cuda" else torch.npu.get_device_name(0)
-    return Device(kind, name)
+    if kind == "cuda":
+        return Device(kind, torch.cuda.get_device_name(0))
+    return Device(kind, torch.npu.get_device_name(0))  # type: ignore[attr-defined]  # `import torch_npu` adds it
 
 
 def _full_fp32(kind: str) -> None:
@@ -147,8 +148,9 @@ def _full_fp32(kind: str) -> None:
     import torch
 
     if kind == "ascend":
-        torch.npu.matmul.allow_hf32 = False
-        torch.npu.conv.allow_hf32 = False
+        # torch.npu is what `import torch_npu` adds to torch; torch's own types cannot know it
+        torch.npu.matmul.allow_hf32 = False  # type: ignore[attr-defined]
+        torch.npu.conv.allow_hf32 = False  # type: ignore[attr-defined]
     elif kind == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = False
         torch.backends.cudnn.allow_tf32 = False
@@ -372,8 +374,12 @@ def evaluate(
             records = []
             for index, micro in enumerate(batches):  # one forward per micro-batch, each inside its recording
                 natural = recorder.recording(index) if recorder is not None else contextlib.nullcontext()
+
+                def micro_loss(logits, micro_tokens, _position, index=index):  # the schedule counts from 0 each call
+                    return loss(logits, micro_tokens, index)
+
                 with probes.recording(index), natural, index_share.record_topk() as trace:
-                    records += _forward_backward(built, [micro], lambda lg, tk, _i, n=index: loss(lg, tk, n), True)
+                    records += _forward_backward(built, [micro], micro_loss, True)
                 for layer_number, (kind, indices) in sorted(trace.items()):
                     topk[f"mb{index}/layers.{layer_number - 1}"] = topk_record(kind, indices)
             replayed = _replay(built, batches, recorder, source) if source is not None else None

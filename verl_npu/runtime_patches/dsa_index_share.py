@@ -29,6 +29,8 @@ Remove when: megatron-core shares DSA top-k across layers itself (added upstream
 from __future__ import annotations
 
 import functools
+from collections.abc import Mapping
+from typing import TypedDict
 
 from verl_npu.engine import index_share
 from verl_npu.patching import Patch
@@ -81,11 +83,11 @@ def _checkpoint(original):
 # --- pipeline P2P --------------------------------------------------------------------------------------
 
 
-def _send_topk(communicator, reference) -> None:
+def _send_topk(communicator, reference, plan: index_share.StagePlan) -> None:
     import torch
     import torch.distributed as dist
 
-    topk = index_share.take_to_send(index_share.current_stage())
+    topk = index_share.take_to_send(plan)
     header = torch.tensor(topk.shape, dtype=torch.int64, device=reference.device)
     dist.send(header, dst=communicator.next_rank, group=communicator.pp_group)
     dist.send(topk.to(device=reference.device, dtype=torch.int32).contiguous(), dst=communicator.next_rank,
@@ -103,9 +105,10 @@ def _recv_topk(communicator, reference) -> None:
     index_share.received(topk.long())
 
 
-def _stage_sends(is_last_stage: bool) -> bool:
+def _sending_plan(is_last_stage: bool) -> index_share.StagePlan | None:
+    """This stage's plan when it sends its top-k on to the next stage, else None."""
     plan = index_share.current_stage()
-    return plan is not None and plan.sends and not is_last_stage
+    return plan if plan is not None and plan.sends and not is_last_stage else None
 
 
 def _stage_receives(is_first_stage: bool) -> bool:
@@ -121,8 +124,8 @@ def _send_forward(original):
     @functools.wraps(original)
     def send_forward(self, output_tensors, is_last_stage):
         result = original(self, output_tensors, is_last_stage)
-        if _stage_sends(is_last_stage):
-            _send_topk(self, _first(output_tensors))
+        if (plan := _sending_plan(is_last_stage)) is not None:
+            _send_topk(self, _first(output_tensors), plan)
         return result
 
     return send_forward
@@ -132,8 +135,8 @@ def _send_forward_recv_backward(original):
     @functools.wraps(original)
     def send_forward_recv_backward(self, output_tensors, tensor_shapes, is_last_stage):
         result = original(self, output_tensors, tensor_shapes, is_last_stage)
-        if _stage_sends(is_last_stage):
-            _send_topk(self, _first(output_tensors))
+        if (plan := _sending_plan(is_last_stage)) is not None:
+            _send_topk(self, _first(output_tensors), plan)
         return result
 
     return send_forward_recv_backward
@@ -178,7 +181,19 @@ def _reports_topk(position: int):
 
 P2P = "megatron.core.pipeline_parallel.p2p_communication:P2PCommunicator"
 MS_DSA = "mindspeed.core.transformer.experimental_attention_variant"
-_PIPELINE = dict(
+
+
+class _SharedFields(TypedDict):
+    """What a group of this module's patches declare alike."""
+
+    kind: str
+    platforms: frozenset[str]
+    requires: Mapping[str, str]
+    reason: str
+    remove_when: str
+
+
+_PIPELINE = _SharedFields(
     kind="wrap",
     platforms=EVERY_PLATFORM,
     requires=MEGATRON_CORE,
@@ -186,7 +201,7 @@ _PIPELINE = dict(
     "micro-batch; it is sent after the activations",
     remove_when=REMOVE_WHEN,
 )
-_MINDSPEED = dict(
+_MINDSPEED = _SharedFields(
     kind="wrap",
     platforms=frozenset({"ascend"}),
     requires=MEGATRON_CORE,

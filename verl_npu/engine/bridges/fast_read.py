@@ -114,7 +114,7 @@ def file_of_each_name(hf_dir: str | os.PathLike, index: dict[str, str] | None) -
     """name -> file name, from the index's weight map, else from every ``*.safetensors`` file's header."""
     if index:
         return dict(index)
-    out = {}
+    out: dict[str, str] = {}
     for file in sorted(Path(hf_dir).glob("*.safetensors")):
         for name in read_header(file)[0]:
             out.setdefault(name, file.name)
@@ -142,7 +142,7 @@ def read_as_stored(reader: SafeTensorIO, names: Iterable[str]) -> dict[str, torc
     its share of READ_THREADS."""
     file_of = file_of_name(reader)
     by_file: dict[str, list[str]] = defaultdict(list)
-    missing = []
+    missing: list[str] = []
     for name in dict.fromkeys(names):
         (by_file[file_of[name]] if name in file_of else missing).append(name)
     if missing:
@@ -260,26 +260,29 @@ class TensorReads:
         self.nbytes = sum(e["offsets"][1] - e["offsets"][0] for *_, e in plan)  # the named tensors' bytes
         self._pool = concurrent.futures.ThreadPoolExecutor(READ_THREADS, thread_name_prefix="verl-npu-read")
         self._copies = _DeviceCopies(device) if device is not None else None
-        self._reads: dict[str, tuple[concurrent.futures.Future, dict, int | None]] = {}
+        # name -> (its read, its header entry, (copier, ticket) until its first take when copied to the device)
+        self._reads: dict[str, tuple[concurrent.futures.Future, dict, tuple[_DeviceCopies, int] | None]] = {}
         for name, path, start, entry in plan:
             begin, end = entry["offsets"]
             # one thread per tensor: the pool's threads read several tensors at once
             future = _claim_prefetched(path, name, start + begin, end - begin)
             if future is None:
                 future = self._pool.submit(_read_span, Path(path), start + begin, end - begin, 1)
-            ticket = None
+            copy = None
             if self._copies is not None:
                 ticket, future = self._copies.submit(future, entry)
-            self._reads[name] = (future, entry, ticket)
+                copy = (self._copies, ticket)
+            self._reads[name] = (future, entry, copy)
 
     def take(self, name: str) -> torch.Tensor:
-        future, entry, ticket = self._reads[name]
-        if ticket is not None:
-            self._copies.want(ticket)
+        future, entry, copy = self._reads[name]
+        if copy is not None:
+            copies, ticket = copy
+            copies.want(ticket)
         tensor = future.result().view(entry["dtype"]).view(entry["shape"])
-        if ticket is not None:  # its first take: the load holds it from now on
+        if copy is not None:  # its first take: the load holds it from now on
             self._reads[name] = (future, entry, None)
-            self._copies.taken(entry["offsets"][1] - entry["offsets"][0])
+            copy[0].taken(entry["offsets"][1] - entry["offsets"][0])
         self._uses[name] -= 1
         if self._uses[name] <= 0:
             del self._reads[name]

@@ -156,7 +156,8 @@ def _base_keys(config_name: str, search: ConfigSearch | None = None) -> tuple[fr
         if isinstance(node, DictConfig):
             nodes.add(prefix)
             for key in node:
-                path = f"{prefix}.{key}" if prefix else str(key)
+                name = str(key)
+                path = f"{prefix}.{name}" if prefix else name
                 leaves.add(path)
                 walk(node._get_node(key), path)
         elif isinstance(node, ListConfig):
@@ -285,7 +286,7 @@ def compose_config(
     except Exception as exc:  # a config that does not compose even without overrides
         text = " ".join(str(exc).split())
         return None, [Check("config.config-name", FAIL, f"--config-name={name}: cannot compose {where} ({text})")]
-    checks: list[Check] = []
+    checks = []
     kept: list[str] = []
     # Every bad key at once: Hydra would stop at the first.
     for override in overrides:
@@ -323,7 +324,10 @@ def compose_config(
     return config, checks
 
 
-def as_mapping(config: Any) -> Mapping[str, Any]:
+def as_mapping(config: Any) -> Mapping[Any, Any]:
     from omegaconf import OmegaConf
 
-    return OmegaConf.to_container(config, resolve=True)
+    container = OmegaConf.to_container(config, resolve=True)
+    if not isinstance(container, dict):  # verl's configs compose to mappings; a list would be Hydra misused
+        raise TypeError(f"verl's composed config is a {type(container).__name__}, not a mapping")
+    return container

@@ -93,7 +93,8 @@ def model_bridge_checks(hf_config: Mapping[str, Any], layouts: Mapping[str, Any]
         f"recent full layer's top-k and has no indexer), full {_numbers(full)}"
     )
     checks = [Check("engine.model-bridge", OK, message)]
-    for role, engine in (layouts or {}).items():
+    layouts = layouts or {}
+    for role, engine in layouts.items():
         prefix = f"{role} " if len(layouts) > 1 else ""
         checks += [Check("engine.model-bridge", OK, prefix + line) for line in stage_layout_lines(kinds, engine)]
     return checks
@@ -214,7 +215,7 @@ def rollout_model_checks(
             )
     quant = hf_config.get("quantization_config") or {}
     method = str(quant.get("quant_method") or "").lower() if isinstance(quant, Mapping) else ""
-    named_fp8 = model_config_is_stand_in and bool(model_path) and bool(_FP8_NAME.search(Path(model_path).name))
+    named_fp8 = model_config_is_stand_in and bool(model_path and _FP8_NAME.search(Path(model_path).name))
     if vllm_on_ascend and (method == "fp8" or named_fp8):
         why = (
             "its config.json has quantization_config.quant_method=fp8"

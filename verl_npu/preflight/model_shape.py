@@ -144,7 +144,7 @@ class ModelShape:
             tp = self.q_lora_rank * a * qk
         else:
             tp = h * a * qk
-        kv = self.kv_lora_rank
+        kv = self.kv_lora_rank or 0  # never None here: self.mla
         replicated += (h + bias) * (kv + self.qk_rope_head_dim) + kv  # kv down proj (+bias) + kv norm
         tp += kv * a * (self.qk_nope_head_dim + self.v_head_dim) + a * self.v_head_dim * h + h * bias
         if indexer:
@@ -216,7 +216,8 @@ class ModelShape:
         or out of range (a ``UserError``, so a ``ValueError``).
         """
         cfg = _text_config(cfg)
-        model_type = cfg.get("model_type") if isinstance(cfg.get("model_type"), str) else "unknown"
+        declared = cfg.get("model_type")
+        model_type = declared if isinstance(declared, str) else "unknown"
         r = Reader(cfg, source=f"model config ({model_type[:64]})")
         r.text("model_type", default="unknown", max_length=256)
         _read_every_value(r)  # every size the config sets, whether or not this model uses it
@@ -488,7 +489,7 @@ def _with_family_defaults(cfg: dict[str, Any], source: str | None = None) -> dic
             return family.complete(cfg)
         from transformers import AutoConfig
 
-        return AutoConfig.for_model(model_type, **{k: v for k, v in cfg.items() if k != "model_type"}).to_dict()
+        return AutoConfig.for_model(str(model_type), **{k: v for k, v in cfg.items() if k != "model_type"}).to_dict()
     except _refusals() as exc:  # transformers' own validation of the family's fields
         raise _refused(model_type, exc, source) from None
 

@@ -283,19 +283,23 @@ class PreflightWorker:
         try:
             text = read_text(self._cache, MAX_ENTRY_BYTES)
         except NotReadable as exc:
-            return self._ignored(f"unreadable ({exc})")
+            self._ignored(f"unreadable ({exc})")
+            return None
         answer, why = _read_entry(text, self._key)
         if answer is None:  # damaged or foreign: the worker recomputes it and the file is rewritten whole
-            return self._ignored(why)
+            self._ignored(why)
+            return None
         if "composed" in answer:
             from omegaconf import DictConfig, OmegaConf
 
             try:
                 composed = OmegaConf.create(answer["composed"]["config"])
             except Exception as exc:  # omegaconf and yaml raise their own types for text that is not a config
-                return self._ignored(f"its composed config does not parse ({type(exc).__name__})")
+                self._ignored(f"its composed config does not parse ({type(exc).__name__})")
+                return None
             if not isinstance(composed, DictConfig):
-                return self._ignored("its composed config is not a mapping")
+                self._ignored("its composed config is not a mapping")
+                return None
             self._composed = composed
         # the model config file may have changed since (same path, new bytes)
         if any(_model_file_digest(src) != digest for src, digest in answer.get("model_files", {}).items()):
@@ -305,7 +309,6 @@ class PreflightWorker:
     def _ignored(self, why: str) -> None:
         _warn(f"ignoring the cache entry {self._cache}: {why}; recomputing it and writing it again "
               "(--no-cache skips the cache)")  # fmt: skip
-        return None
 
     def cached_composition(self) -> tuple[Any, list[Check]] | None:
         """verl's composed config and the composition's checks as a cached answer recorded them (None: compose)."""
@@ -337,14 +340,16 @@ class PreflightWorker:
                 "model_config": model_config,
                 "beside_script": self._beside,
             }
+            if self._child is None:  # no cached answer means a child (the constructor starts one)
+                return self._failed("it was never started")
             done = processes.communicate(self._child, pickle.dumps(request), timeout=timeout, text=False)
-            err = bytes(done.stderr).decode(errors="replace")
+            err = _text(done.stderr)
             if done.timed_out:
                 why = f"did not answer within {timeout:g} s (its process group was ended)"
                 return self._failed(why)
             if done.returncode != 0:
                 return self._failed(err.strip().splitlines()[-1] if err.strip() else f"exit {done.returncode}")
-            lines = bytes(done.stdout).decode(errors="replace").strip().splitlines()
+            lines = _text(done.stdout).strip().splitlines()
             try:
                 answer = json.loads(lines[-1])
             except (IndexError, ValueError, RecursionError):
@@ -368,6 +373,8 @@ class PreflightWorker:
 
     def _store(self, answer: dict[str, Any]) -> None:
         """Write the cache file whole or not at all; a cache that cannot be written costs speed, never the check."""
+        if self._cache is None or self._key is None:
+            return
         try:
             text = _seal(answer, self._key)
         except (ValueError, TypeError) as exc:  # a value JSON cannot hold (NaN in a model config): not cached
@@ -386,6 +393,10 @@ class PreflightWorker:
             processes.end_group(self._child, grace=0.5)
 
 
+def _text(output: str | bytes) -> str:
+    return output if isinstance(output, str) else output.decode(errors="replace")
+
+
 def _serve() -> None:
     from verl_npu.preflight import verl_validation
     from verl_npu.preflight.model import resolve_model
@@ -394,8 +405,12 @@ def _serve() -> None:
     request = pickle.loads(sys.stdin.buffer.read())  # only ever our parent's pipe, never a file
     checks = verl_validation.validate_with_verl(request["config"])
     hf, model_check, origin = resolve_model(request["model_path"], request["model_config"], request["beside_script"])
-    answer = {"hf": hf, "model_check": model_check.to_dict(), "checks": [c.to_dict() for c in checks]}
-    answer["model_origin"] = origin
+    answer = {
+        "hf": hf,
+        "model_check": model_check.to_dict(),
+        "checks": [c.to_dict() for c in checks],
+        "model_origin": origin,
+    }
     print(json.dumps(answer, default=str))
 
 

@@ -32,7 +32,11 @@ LAUNCH = REPO / "examples" / "glm5_2" / "run_glm5_2_grpo_a3.sh"
 OUT = REPO / "bench" / "results" / "preflight_cold_start.json"
 TARGET_RATIO, TARGET_WARM_S = 1.2, 1.5
 IMPORT_VERL = [sys.executable, "-c", "import verl"]
-PREFLIGHT = [sys.executable, "-m", "verl_npu.cli", "preflight", str(LAUNCH), "--json", os.devnull]
+
+
+def preflight(scratch: Path) -> list[str]:
+    """The check, writing its JSON report into ``scratch`` (preflight refuses to write a device such as /dev/null)."""
+    return [sys.executable, "-m", "verl_npu.cli", "preflight", str(LAUNCH), "--json", str(scratch / "report.json")]
 
 
 def timed(command: list[str], cache: Path | None = None) -> float:
@@ -56,6 +60,11 @@ def cpu_model() -> str:
     return platform.processor() or "unknown"
 
 
+def commit() -> str:
+    done = subprocess.run(["git", "-C", str(REPO), "rev-parse", "HEAD"], capture_output=True, text=True, check=False)
+    return done.stdout.strip() or "unknown"
+
+
 def load() -> list[float] | None:
     return list(os.getloadavg()) if hasattr(os, "getloadavg") else None
 
@@ -75,8 +84,8 @@ def main() -> int:
         imports, colds = [], []
         for i in range(args.runs):
             imports.append(timed(IMPORT_VERL))
-            colds.append(timed(PREFLIGHT, Path(scratch) / f"cold{i}"))  # an empty cache each time
-        warms = [timed(PREFLIGHT, Path(scratch) / "cold0") for _ in range(args.runs)]
+            colds.append(timed(preflight(Path(scratch)), Path(scratch) / f"cold{i}"))  # an empty cache each time
+        warms = [timed(preflight(Path(scratch)), Path(scratch) / "cold0") for _ in range(args.runs)]
     ratio = statistics.median(colds) / statistics.median(imports)
     paired = statistics.median(c / i for c, i in zip(colds, imports, strict=True))
     result = {
@@ -93,6 +102,7 @@ def main() -> int:
         "python": platform.python_version(),
         "versions": {p: importlib.metadata.version(p) for p in ("verl", "verl-npu", "torch", "transformers")},
         "date": datetime.date.today().isoformat(),
+        "verl_npu_commit": commit(),
         "import_verl": summary(imports),
         "preflight_cold": summary(colds),
         "preflight_warm": summary(warms),

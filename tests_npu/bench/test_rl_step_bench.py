@@ -16,11 +16,11 @@ from pathlib import Path
 
 import pytest
 import torch
+from support.paths import REPO
 
 pytest.importorskip("verl", reason="verl is not installed here")
 pytest.importorskip("mbridge", reason="verl's Megatron engine builds through mbridge; not installed here")
 
-REPO = Path(__file__).resolve().parent.parent
 BENCH = REPO / "bench" / "rl_step.py"
 
 

@@ -12,10 +12,10 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from support.paths import REPO
 
 from verl_npu.ci.compare import CompareError, compare, read_baseline, read_log
 
-REPO = Path(__file__).resolve().parent.parent
 BASE = {
     "perf/max_memory_allocated_gb": 30.0,
     "perf/throughput": 1000.0,

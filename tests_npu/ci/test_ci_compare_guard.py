@@ -13,10 +13,10 @@ from pathlib import Path
 
 import pytest
 import torch
+from support.paths import REPO
 
 from verl_npu.ci.compare import DEFAULT_GUARDS, PROBS_DIFF_MEAN, CompareError, compare, read_baseline
 
-REPO = Path(__file__).resolve().parent.parent
 BASELINES = [REPO / "ci" / "baselines" / f"{job}.json" for job in ("dsa_glm5_small", "multinode_grpo")]
 JOBS = REPO / "ci" / "nightly" / "jobs"
 

@@ -12,6 +12,7 @@ import os
 from pathlib import Path
 
 import pytest
+from support.paths import REPO
 
 from verl_npu.ci import compare as cmp
 from verl_npu.cli import main
@@ -475,7 +476,7 @@ def test_an_unknown_key_format_or_value_in_a_baseline_is_refused(tmp_path, edit,
 
 
 def test_the_committed_baselines_still_load_and_format_1_is_accepted(tmp_path):
-    committed = sorted((Path(__file__).resolve().parent.parent / "ci" / "baselines").glob("*.json"))
+    committed = sorted((REPO / "ci" / "baselines").glob("*.json"))
     assert len(committed) >= 4
     for path in committed:
         assert cmp.read_baseline(path).job == path.stem

@@ -12,8 +12,8 @@ import sys
 from pathlib import Path
 
 import pytest
+from support.paths import REPO
 
-REPO = Path(__file__).resolve().parent.parent
 MODEL = REPO / "ci/nightly/models/glm5_small"
 GENERATOR = REPO / "ci/nightly/make_glm5_small_tokenizer.py"
 MAKE_MODEL = REPO / "ci/nightly/make_glm5_small.py"

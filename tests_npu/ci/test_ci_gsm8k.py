@@ -8,10 +8,9 @@ from pathlib import Path
 
 import pandas as pd
 import pytest
+from support.paths import REPO
 
 from verl_npu.ci import gsm8k
-
-REPO = Path(__file__).resolve().parent.parent
 
 TRAIN = [
     ("Mia packs 3 boxes of 12 pens. How many pens?", "3 boxes * 12 = <<3*12=36>>36 pens.\n#### 36"),

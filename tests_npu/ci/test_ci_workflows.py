@@ -14,11 +14,11 @@ from pathlib import Path
 
 import pytest
 import yaml
+from support.paths import REPO
 
 from verl_npu.ci.compare import DEFAULT_LIMITS, read_baseline
 from verl_npu.ci.images import TAG, image_tag, manifest_digest
 
-REPO = Path(__file__).resolve().parent.parent
 WORKFLOWS = sorted((REPO / ".github" / "workflows").glob("*.yml"))
 EXPRESSION = re.compile(r"\$\{\{.*?\}\}")
 REPO_PATH = re.compile(r"(?<![\w./-])((?:\.ci|ci|examples|docker|tests_npu|bench)/[\w./${}-]+|install\.sh)")

@@ -27,6 +27,7 @@ import time
 from pathlib import Path
 
 import pytest
+from support.paths import REPO
 
 from verl_npu.cluster import network
 from verl_npu.cluster.network import (
@@ -43,7 +44,6 @@ from verl_npu.cluster.network import (
 )
 from verl_npu.doctor import FAIL, OK, WARN
 
-REPO = Path(__file__).resolve().parents[1]
 NODE = "node7"
 
 HCCN_IP_OUTPUT = "ipaddr:29.88.1.{n}\nnetmask:255.255.0.0\n"
@@ -532,7 +532,7 @@ def test_the_shipped_env_file_leaves_the_interface_variables_to_each_node():
 
 
 def test_doctor_runs_the_network_checks_on_an_ascend_target_and_fails_on_a_down_interface(node, tmp_path):
-    from test_doctor import NPU_SMI_A3, STACK, make_probe, make_tree
+    from support.doctor_env import NPU_SMI_A3, STACK, make_probe, make_tree
 
     from verl_npu import doctor
 

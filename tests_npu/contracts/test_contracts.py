@@ -15,13 +15,12 @@ import zipfile
 from pathlib import Path
 
 import pytest
+from support.paths import REPO
 
 from verl_npu import contracts
 from verl_npu.contracts import torch_npu as torch_npu_facts
 from verl_npu.contracts.spec import Contract, ContractSpecError, Expect, fingerprint, squash
 from verl_npu.contracts.verify import DRIFTED, MISSING, NOT_FOUND, OK, verify
-
-REPO = Path(__file__).resolve().parent.parent
 
 
 def test_ids_are_unique_and_every_component_has_contracts():
@@ -596,8 +595,8 @@ def test_the_vllm_sdist_on_pypi_holds_every_recorded_fact(tmp_path):
 
 def test_contracts_verify_reports_the_composed_check_whatever_its_process_did(monkeypatch):
     """Where MindSpeed is installed, `contracts verify` adds the composed checks' rows (verl_npu.contracts.composed,
-    executed for real over MindSpeed in tests_npu/test_ascend_sim_mindspeed.py): a report becomes rows, a process that
-    dies without one is one failed row with its exit and its last line."""
+    executed for real over MindSpeed in tests_npu/patching/test_ascend_sim_mindspeed.py): a report becomes rows, a
+    process that dies without one is one failed row with its exit and its last line."""
     from verl_npu import processes
     from verl_npu.cli import COMPOSED_WHERE, composed_checks
     from verl_npu.contracts import composed

@@ -25,6 +25,7 @@ from support.doctor_env import (
     npu_smi_capture,
     only,
 )
+from support.paths import REPO
 from support.processes import gone_soon, grandchild, hanging_script
 
 from verl_npu import doctor
@@ -32,7 +33,6 @@ from verl_npu.doctor import FAIL, OK, WARN
 from verl_npu.doctor import report as doctor_report
 from verl_npu.stack import detect
 
-REPO = Path(__file__).resolve().parent.parent
 DCMI = "dcmi model initialized failed, because the device is used. ret is -8020"
 
 

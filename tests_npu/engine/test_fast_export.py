@@ -11,7 +11,6 @@ tests_npu/support/fast_export_parallel.py.
 from __future__ import annotations
 
 import os
-from pathlib import Path
 
 import pytest
 import torch
@@ -107,12 +106,12 @@ def test_without_pipeline_parallelism_there_is_no_object_collective(model, dense
 def two_ranks(tmp_path_factory) -> dict[int, dict]:
     """Each rank's results per layout (tests_npu/support/fast_export_parallel.py)."""
     from support.gloo_ranks import run_ranks
+    from support.paths import REPO, SUPPORT, TESTS
 
-    tests = Path(__file__).resolve().parent
-    search_path = [str(tests.parent), str(tests), *filter(None, [os.environ.get("PYTHONPATH")])]
+    search_path = [str(REPO), str(TESTS), *filter(None, [os.environ.get("PYTHONPATH")])]
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv("PYTHONPATH", os.pathsep.join(search_path))  # the ranks import verl_npu and support
-        ranks = run_ranks(tests / "support" / "fast_export_parallel.py", tmp_path_factory.mktemp("fast-export"), 2)
+        ranks = run_ranks(SUPPORT / "fast_export_parallel.py", tmp_path_factory.mktemp("fast-export"), 2)
     for rank, result in ranks.items():
         assert "error" not in result, f"rank {rank}:\n{result['error']}"
     return ranks

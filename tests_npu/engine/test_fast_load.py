@@ -2,7 +2,8 @@
 gives, every malformed header refused by name, and a model loaded bit-identically to mbridge 0.15.1's loader.
 
 GLM-5's load (its experts, FP8 dequantised as the loader does it) is checked against the checkpoint's own values in
-tests_npu/test_glm5_2_bridge.py; bench/rl_step.py checks both engines' exports against the checkpoint on the device.
+tests_npu/engine/test_glm5_2_bridge.py; bench/rl_step.py checks both engines' exports against the checkpoint on the
+device.
 """
 
 from __future__ import annotations

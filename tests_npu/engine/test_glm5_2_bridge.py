@@ -13,7 +13,7 @@ as FP8 (e4m3, 128x128 block scales). Checked here:
   from FP8 saves bf16 weights with a config that does not claim FP8;
 * the rollout: what ``get_per_tensor_param`` streams to vLLM is the checkpoint's trained tensors (no MTP
   layer, no indexer on shared layers); that vLLM loads it, every parameter, into vllm-ascend's model is
-  executed in tests_npu/test_vllm_load_weights.py (network and ascend_sim tiers);
+  executed in tests_npu/engine/test_vllm_load_weights.py (network and ascend_sim tiers);
 * the config: GLM-5.2's router dtype, RoPE theta and 1M positions (examples/glm5_2/config.json).
 """
 
@@ -33,11 +33,11 @@ from support.glm5_2_checkpoint import (
     shared_indexer_prefixes,
     tiny_glm5_2_checkpoint,
 )
+from support.paths import REPO
 from test_glm5_bridge import cpu_engine, gpt_of, hf_names_of, no_hadamard_shim_afterwards, select_npu_engine  # noqa: F401
 
 pytestmark = pytest.mark.usefixtures("cpu_megatron_harness")
 
-REPO = Path(__file__).resolve().parent.parent
 INDEXER = "self_attention.core_attention.indexer."
 
 

@@ -20,6 +20,7 @@ import sys
 
 import pytest
 import torch
+from support.npu_engine import no_hadamard_shim_afterwards, select_npu_engine  # noqa: F401  (autouse)
 from test_verl_engine_path import PROMPT, SEQ, batch
 
 pytestmark = pytest.mark.usefixtures("cpu_megatron_harness")
@@ -36,35 +37,6 @@ ROTARY_ROWS = (
     "self_attn.q_b_proj.weight", "self_attn.kv_a_proj_with_mqa.weight", "indexer.wq_b.weight", "indexer.wk.weight",
     "indexer.k_norm.weight", "indexer.k_norm.bias",
 )  # fmt: skip
-
-
-@pytest.fixture(scope="module", autouse=True)
-def select_npu_engine():
-    import verl_npu.megatron_adaptor as layer
-
-    with pytest.MonkeyPatch.context() as env:
-        env.setenv("VERL_ENGINE_DEVICE", "npu")
-        env.setenv("VERL_ENGINE_VENDOR", "huawei")
-        layer.load()
-        yield
-
-
-@pytest.fixture(scope="module", autouse=True)
-def no_hadamard_shim_afterwards():
-    """verl's model build installs a pure-torch ``fast_hadamard_transform`` module and binds it into every
-    module that imported the missing extension as None (verl/models/mcore/patch.py); later tests of this
-    process expect the machine as it is (without the extension)."""
-    shim_before = sys.modules.get("fast_hadamard_transform")
-    yield
-    from verl.models.mcore.patch import pure_torch_hadamard_transform
-
-    if shim_before is not None or sys.modules.get("fast_hadamard_transform") is None:
-        return
-    del sys.modules["fast_hadamard_transform"]
-    for module in list(sys.modules.values()):
-        namespace = getattr(module, "__dict__", None)
-        if namespace is not None and namespace.get("hadamard_transform") is pure_torch_hadamard_transform:
-            namespace["hadamard_transform"] = None
 
 
 @pytest.fixture(scope="module")
@@ -409,11 +381,12 @@ def test_two_ranks_load_their_shards_and_export_the_checkpoint(model_dir, checkp
     import subprocess
 
     from safetensors.torch import load_file
+    from support.paths import TESTS
 
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
-    search_path = [os.path.dirname(__file__), *filter(None, [os.environ.get("PYTHONPATH")])]
+    search_path = [str(TESTS), *filter(None, [os.environ.get("PYTHONPATH")])]
     env = {
         **os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "MODEL": str(model_dir),
         "LAYOUT": json.dumps(layout), "EXPORT": str(tmp_path / "export.safetensors"),

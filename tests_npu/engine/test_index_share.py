@@ -230,11 +230,10 @@ def test_megatrons_hadamard_rotation_moves_the_bf16_top_k():
 
 def _run_ranks(workdir, world: int, *flags: str, timeout: float = 600) -> dict[int, dict]:
     """Run tests_npu/support/index_share_parallel.py on ``world`` ranks; their results, or their errors."""
-    from pathlib import Path
-
     from support.gloo_ranks import run_ranks
+    from support.paths import SUPPORT
 
-    script = Path(__file__).parent / "support" / "index_share_parallel.py"
+    script = SUPPORT / "index_share_parallel.py"
     return run_ranks(script, workdir, world, *flags, timeout=timeout)
 
 

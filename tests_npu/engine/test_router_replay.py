@@ -73,11 +73,10 @@ def test_r3_replays_the_rollouts_routes_and_leaves_each_final_token_to_the_route
 
 def run_ranks(workdir, world: int, *flags: str) -> dict[int, dict]:
     """tests_npu/support/router_replay_parallel.py on ``world`` gloo ranks: each rank's counts, or its error."""
-    from pathlib import Path
-
     from support.gloo_ranks import run_ranks as run
+    from support.paths import SUPPORT
 
-    return run(Path(__file__).parent / "support" / "router_replay_parallel.py", workdir, world, *flags)
+    return run(SUPPORT / "router_replay_parallel.py", workdir, world, *flags)
 
 
 @pytest.mark.parametrize("flags", [("--tp", "2"), ("--ep", "2")], ids=["tp2-sp", "ep2"])

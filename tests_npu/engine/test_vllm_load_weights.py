@@ -33,17 +33,16 @@ from __future__ import annotations
 
 import re
 import zipfile
-from pathlib import Path
 
 import pytest
 import torch
 from support import vllm_cpu
 from support.glm5_2_checkpoint import mtp_prefixes, shared_indexer_prefixes, tiny_glm5_2_checkpoint
+from support.paths import REPO
 from test_glm5_bridge import cpu_engine, no_hadamard_shim_afterwards, select_npu_engine  # noqa: F401
 
 pytestmark = [pytest.mark.network, pytest.mark.ascend_sim, pytest.mark.usefixtures("cpu_megatron_harness")]
 
-REPO = Path(__file__).resolve().parent.parent
 EXAMPLE = REPO / "examples" / "glm5_2"
 PUBLISHED, LAYERS, SCALED = vllm_cpu.PUBLISHED_GLM5_2, vllm_cpu.SCALED_LAYERS, vllm_cpu.SCALED_GLM5_2
 HEADS, K_DIM, V_DIM, LATENT = 4, PUBLISHED["qk_nope_head_dim"], PUBLISHED["v_head_dim"], SCALED["kv_lora_rank"]

@@ -21,6 +21,7 @@ pytest.importorskip("referencing", reason="the schema validator's reference reso
 
 import yaml
 from referencing import Resource
+from support.paths import REPO
 
 from verl_npu.ci.images import image_tag, manifest_digest
 from verl_npu.cli import main
@@ -28,7 +29,6 @@ from verl_npu.envfile import env_file_variables
 from verl_npu.k8s import defaults, render, schemas, validate
 from verl_npu.stack import load_stack
 
-REPO = Path(__file__).resolve().parent.parent
 COMMIT = "0123456789abcdef0123456789abcdef01234567"
 REGISTRY = "registry.example/team"
 IMAGE = image_tag("a3", COMMIT, registry=REGISTRY)

@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 import yaml
 from support.kuberay_rayjob import write_states
+from support.paths import REPO
 
-REPO = Path(__file__).resolve().parent.parent
 WORKFLOW = REPO / ".github/workflows/multinode.yml"
 
 

@@ -5,15 +5,15 @@ resolves to the same config."""
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
+from support.paths import REPO
 
 from verl_npu.models.glm5 import names
 from verl_npu.models.glm5.config import glm5_2_indexer_types
 from verl_npu.preflight.model_shape import GLM5_2_DIFFERENCES, load_config
 
-PUBLISHED = json.loads((Path(__file__).resolve().parents[1] / "examples" / "glm5_2" / "config.json").read_text())
+PUBLISHED = json.loads((REPO / "examples" / "glm5_2" / "config.json").read_text())
 
 
 def test_the_indexer_rule_is_the_published_layout():

@@ -234,7 +234,7 @@ def build_trained_dsa_attention(sparse_loss: bool):
     from megatron.core.models.backends import LocalSpecProvider
     from megatron.core.models.gpt.experimental_attention_variant_module_specs import get_dsa_module_spec_for_backend
     from megatron.core.transformer.spec_utils import build_module
-    from test_runtime_patches import dsa_config
+    from support.runtime_patching import dsa_config
 
     config = dataclasses.replace(
         dsa_config(), params_dtype=torch.bfloat16, bf16=True, dsa_indexer_loss_coeff=0.25,
@@ -254,7 +254,7 @@ def test_megatrons_dsa_attention_gives_the_same_loss_and_gradients_with_the_patc
     model_parallel_cpu, monkeypatch, sparse_loss
 ):
     from megatron.core.transformer.experimental_attention_variant import dsa
-    from test_runtime_patches import applied, without
+    from support.runtime_patching import applied, without
 
     from verl_npu.runtime_patches import dsa_indexer_loss
 

@@ -9,7 +9,9 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
-OPS = Path(__file__).resolve().parent.parent / "verl_npu" / "ops"
+from support.paths import REPO
+
+OPS = REPO / "verl_npu" / "ops"
 ABOVE = ("verl_npu.engine", "verl_npu.runtime_patches", "verl_npu.patching")  # what builds on the ops
 
 

@@ -5,7 +5,7 @@
 - bf16 against the node's own fp32 run: the bf16 run's blocks fed that fp32 run's inputs (``--replay-from`` it),
   judged with ``--precise`` it and the reference's measured bf16 error.
 
-The runs are the session's (tests_npu/support/parity_runs.py), shared with tests_npu/test_parity_faults.py. The
+The runs are the session's (tests_npu/support/parity_runs.py), shared with tests_npu/parity/test_parity_faults.py. The
 reference is ci/baselines/parity/reference.json, recorded on nvidia-h200.
 """
 
@@ -146,7 +146,7 @@ def test_a_run_replayed_from_another_source_is_refused_by_name(bf16, reference):
 
 
 # The main check of each mode fails through its own block tolerance on a fault it must see (acceptance: no mode's
-# main check is unfalsifiable). The same runs are judged in tests_npu/test_parity_faults.py.
+# main check is unfalsifiable). The same runs are judged in tests_npu/parity/test_parity_faults.py.
 def test_the_reference_modes_block_check_fails_on_an_attention_fault(parity_runs, reference):
     run = replayed(parity_runs, "fp32", DEFAULT_REFERENCE, "mla_norm_eps", ("glm5_2",))
     result = cmp.compare(run, cmp.reference_run(reference, "fp32"), reference, models=("glm5_2",))

@@ -10,7 +10,6 @@ against the job's log_softmax), so the bound is the reference's measured fp32 lo
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
 import torch
@@ -18,12 +17,11 @@ import torch
 pytest.importorskip("mbridge", reason="the parity job builds through mbridge; not installed here")
 pytestmark = pytest.mark.usefixtures("cpu_megatron_harness")
 
-from test_glm5_bridge import no_hadamard_shim_afterwards, select_npu_engine  # noqa: E402,F401
+from support.npu_engine import no_hadamard_shim_afterwards, select_npu_engine  # noqa: E402,F401
 
 from verl_npu.parity.cli import DEFAULT_REFERENCE  # noqa: E402
 from verl_npu.parity.models import MODELS, evaluation_tokens, write_checkpoint  # noqa: E402
 
-REPO = Path(__file__).resolve().parent.parent
 PROMPT = 16  # the evaluation sequences split into prompt and response as verl sees a rollout's
 MODEL = MODELS["glm5_2"]
 

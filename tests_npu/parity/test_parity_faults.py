@@ -12,7 +12,7 @@ The nightly fails when either fails; the module named is the first failing mode'
 The full table is marked ``slow`` (40 job runs); the default tier judges one fault of each kind (attention, MoE
 router, bf16 only, dense) with the same assertions, one job run each: the bf16 mode is run only where the fp32 mode
 passes (the nightly fails at the first). Every run is the session's (``parity_runs``); two of them are
-tests_npu/test_parity.py's as well.
+tests_npu/parity/test_parity.py's as well.
 """
 
 from __future__ import annotations

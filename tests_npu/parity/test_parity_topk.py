@@ -6,7 +6,7 @@ runs hold them, and never accepts an overlap below TOPK_MARGIN of the way from w
 (verl_npu/parity/compare.py). An Ascend run whose indexer ran inside MindSpeed's fused kernel materialises no
 indexer q/k: its layers' top-k over every row are what judge that indexer, and a comparison that lacks them fails.
 The fused run is the CPU's bf16 run as the fused kernel leaves it (no q/k tensors): the kernel itself runs on Ascend
-only (tests_npu/test_parity_npu.py runs it there).
+only (tests_npu/parity/test_parity_npu.py runs it there).
 """
 
 from __future__ import annotations
@@ -135,7 +135,7 @@ def reference():
 
 @pytest.fixture(scope="module")
 def bf16(parity_runs):
-    """The session's clean CPU bf16 run (tests_npu/test_parity.py's)."""
+    """The session's clean CPU bf16 run (tests_npu/parity/test_parity.py's)."""
     pytest.importorskip("mbridge", reason="the parity job builds through mbridge; not installed here")
     from support.parity_runs import CPU_MODELS
     from test_parity_faults import replayed
@@ -221,7 +221,8 @@ def test_the_fused_shape_models_clean_bf16_run_passes_against_its_own_fp32_run(p
 def test_the_fused_dsa_path_is_taken_in_bf16_runs_only():
     """MindSpeed's fused DSA kernels cast q, k and weights to bf16 (docs/upstream_facts.md): an fp32 run on the
     default path takes the PyTorch DSA path, and a run asked for on the fused path in fp32 is refused by name
-    (tests_npu/test_ascend_sim_mindspeed.py builds that composition on purpose, with stand-in kernels in fp32)."""
+    (tests_npu/patching/test_ascend_sim_mindspeed.py builds that composition on purpose, with stand-in kernels in
+    fp32)."""
     from verl_npu.contracts.mindspeed import DSA_SWITCHES as FUSED_DSA_FLAGS
     from verl_npu.parity.job import Device, ParityError, RunOptions, engine_config
     from verl_npu.parity.models import MODELS

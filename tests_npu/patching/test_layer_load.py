@@ -11,11 +11,11 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
+from support.paths import REPO
 
 from verl_npu import runtime_patches
 from verl_npu.patching.docs import render_markdown
 
-REPO = Path(__file__).resolve().parent.parent
 LAYER = "verl_npu.megatron_adaptor"
 
 

@@ -7,7 +7,7 @@ import importlib
 
 import pytest
 import torch
-from support.runtime_patching import applied, count_dense_index_scores, without
+from support.runtime_patching import applied, count_dense_index_scores, dsa_config, without
 
 from verl_npu import megatron_adaptor
 from verl_npu.ops.hadamard import hadamard_matrix, hadamard_transform
@@ -158,18 +158,6 @@ def model_parallel_cpu():
     from verl_npu.testing import cpu_megatron
 
     cpu_megatron.init_model_parallel()
-
-
-def dsa_config():
-    from megatron.core.transformer.transformer_config import MLATransformerConfig
-
-    return MLATransformerConfig(
-        num_layers=1, hidden_size=64, num_attention_heads=4, q_lora_rank=32, kv_lora_rank=16,
-        qk_head_dim=16, qk_pos_emb_head_dim=8, v_head_dim=16, use_cpu_initialization=True,
-        normalization="RMSNorm", experimental_attention_variant="dsa", dsa_indexer_n_heads=2,
-        dsa_indexer_head_dim=16, dsa_indexer_topk=4, dsa_indexer_loss_coeff=0.0, rope_type="rope",
-        apply_rope_fusion=False, params_dtype=torch.float32,
-    )  # fmt: skip
 
 
 def build_dsa_attention():

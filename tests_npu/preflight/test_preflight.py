@@ -9,13 +9,13 @@ import sys
 from pathlib import Path
 
 import pytest
+from support.paths import REPO
 
 from verl_npu.checks import FAIL, OK, WARN
 from verl_npu.contracts.vllm_ascend import GLM52_PATCH_VARIABLE
 from verl_npu.preflight import run_preflight
 from verl_npu.preflight.model import FROM_BESIDE_SCRIPT, FROM_NAME, resolve_model
 
-REPO = Path(__file__).resolve().parent.parent
 EXAMPLE = REPO / "examples" / "glm5_2"
 LAUNCH = EXAMPLE / "run_glm5_2_grpo_a3.sh"
 

@@ -12,13 +12,13 @@ import sys
 from pathlib import Path
 
 import pytest
+from support.paths import REPO
 from support.processes import gone_soon, grandchild, hanging_script
 
 from verl_npu import atomic
 from verl_npu.checks import FAIL
 from verl_npu.preflight import run_preflight, worker
 
-REPO = Path(__file__).resolve().parent.parent
 LAUNCH = REPO / "examples" / "glm5_2" / "run_glm5_2_grpo_a3.sh"
 ANSWER = {
     "hf": {"model_type": "glm_moe_dsa"},

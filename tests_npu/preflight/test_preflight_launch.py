@@ -12,6 +12,8 @@ import pytest
 
 pytest.importorskip("tree_sitter_bash", reason="the launch reader parses bash with tree-sitter; not installed here")
 
+from support.paths import REPO as REPO_ROOT
+
 from verl_npu.preflight.launch import (
     Finding,
     Launch,
@@ -20,7 +22,6 @@ from verl_npu.preflight.launch import (
     read_launch_script,
 )
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
 TRAINER = "python3 -m verl.trainer.main_ppo"
 
 

@@ -20,11 +20,12 @@ import pytest
 
 pytest.importorskip("tree_sitter_bash", reason="the launch reader parses bash with tree-sitter; not installed here")
 
+from support.paths import REPO as REPO_ROOT
+
 from verl_npu.preflight.launch import Launch, read_launch_script
 
 pytestmark = pytest.mark.skipif(shutil.which("bash") is None, reason="bash is the oracle here; not installed")
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
 EXAMPLE = REPO_ROOT / "examples" / "glm5_2"
 SCRIPT = "run_glm5_2_grpo_a3.sh"
 TRAINER_START = '"$PYTHON" -m verl.trainer.main_ppo'

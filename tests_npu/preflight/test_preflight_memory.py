@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from pathlib import Path
 
 import pytest
+from support.paths import REPO
 
 from verl_npu.engine.host_arena import next_power_of_two, power_of_two_chunks
 from verl_npu.preflight.memory import Activations, GiB, Offload, Parallelism, Precision, estimate
@@ -355,7 +355,7 @@ def test_dsa_attention_holds_no_s_by_s_buffer_on_either_verl_npu_path():
 
 
 # --- GLM-5.2: IndexShare's shared DSA layers and the pipeline top-k carry -----------------------------------
-EXAMPLE_CONFIG = Path(__file__).resolve().parent.parent / "examples" / "glm5_2" / "config.json"
+EXAMPLE_CONFIG = REPO / "examples" / "glm5_2" / "config.json"
 
 
 def test_shared_layers_hold_no_indexer_unlike_transformers_modules():

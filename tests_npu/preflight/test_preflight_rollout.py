@@ -10,6 +10,7 @@ import shutil
 from pathlib import Path
 
 import pytest
+from support.paths import REPO
 
 from verl_npu.checks import FAIL, OK
 from verl_npu.engine.host_arena import next_power_of_two
@@ -19,7 +20,6 @@ from verl_npu.preflight.memory import GiB
 from verl_npu.preflight.model_shape import ModelShape
 from verl_npu.preflight.values import RolloutValues, read_launch
 
-REPO = Path(__file__).resolve().parent.parent
 EXAMPLE = REPO / "examples" / "glm5_2"
 LAUNCH = EXAMPLE / "run_glm5_2_grpo_a3.sh"
 MAX_MODEL_LEN_LINE = "    actor_rollout_ref.rollout.max_model_len=$((MAX_PROMPT_LENGTH + MAX_RESPONSE_LENGTH)) \\\n"

@@ -32,11 +32,11 @@ from pathlib import Path
 
 import pytest
 from support import vllm_cpu
+from support.paths import REPO
 
 from verl_npu.checks import FAIL, OK, WARN
 from verl_npu.preflight import run_preflight
 
-REPO = Path(__file__).resolve().parent.parent
 TESTS = REPO / "tests_npu"
 EXAMPLE = REPO / "examples" / "glm5_2"
 LAUNCH = EXAMPLE / "run_glm5_2_grpo_a3.sh"
@@ -242,7 +242,9 @@ def captured(tmp_path_factory) -> dict:
                            VLLM_NO_USAGE_STATS="1", HF_HUB_OFFLINE="1", TRANSFORMERS_VERBOSITY="error")  # fmt: skip
         command = [sys.executable, "-m", Path(__file__).stem, str(out / "request.json")]
         with (out / "rollout.log").open("w") as log:  # the child keeps its own descriptor
-            started[name] = subprocess.Popen(command, cwd=TESTS, env=environment, stdout=log, stderr=subprocess.STDOUT)
+            started[name] = subprocess.Popen(
+                command, cwd=Path(__file__).parent, env=environment, stdout=log, stderr=subprocess.STDOUT
+            )
     return {name: vllm_cpu.collect(process, work / name) for name, process in started.items()}
 
 

@@ -10,15 +10,14 @@ the code under test.
 from __future__ import annotations
 
 import dataclasses
-from pathlib import Path
 
 import pytest
+from support.paths import REPO
 
 from verl_npu.checks import FAIL, OK, WARN
 from verl_npu.preflight import run_preflight
 from verl_npu.preflight.memory import GiB, ReplayRoutes
 
-REPO = Path(__file__).resolve().parent.parent
 LAUNCH = REPO / "examples" / "glm5_2" / "run_glm5_2_grpo_a3.sh"
 MODE = "actor_rollout_ref.actor.megatron.router_replay.mode"
 ROUTES = "actor_rollout_ref.rollout.enable_rollout_routing_replay"

@@ -17,6 +17,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from safetensors.numpy import save_file
+from support.paths import REPO
 
 from verl_npu.checks import FAIL, OK, WARN
 from verl_npu.inputs import InputError
@@ -41,7 +42,6 @@ from verl_npu.preflight.startup import (
     timeout_checks,
 )
 
-REPO = Path(__file__).resolve().parent.parent
 EXAMPLE = REPO / "examples" / "glm5_2"
 LAUNCH = EXAMPLE / "run_glm5_2_grpo_a3.sh"
 BF16 = Storage("bf16", 2.0, 2.0)

@@ -12,11 +12,12 @@ import pytest
 
 pytest.importorskip("tree_sitter_bash", reason="the launch reader parses bash with tree-sitter; not installed here")
 
+from support.paths import REPO
+
 from verl_npu.checks import FAIL
 from verl_npu.preflight import run_preflight
 from verl_npu.preflight.config_check import ConfigSearchError, config_search, verl_config_dir
 
-REPO = Path(__file__).resolve().parent.parent
 EXAMPLE = REPO / "examples" / "glm5_2"
 SCRIPT = "run_glm5_2_grpo_a3.sh"
 TRAINER_LINE = '"$PYTHON" -m verl.trainer.main_ppo --config-name=ppo_megatron_trainer \\\n'

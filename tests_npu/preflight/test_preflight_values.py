@@ -12,9 +12,9 @@ from __future__ import annotations
 import copy
 import json
 import time
-from pathlib import Path
 
 import pytest
+from support.paths import REPO
 
 from verl_npu.checks import FAIL, OK, WARN, Check
 from verl_npu.preflight import run_preflight
@@ -22,7 +22,6 @@ from verl_npu.preflight.mesh import check_mesh
 from verl_npu.preflight.model_shape import ModelShape, load_config
 from verl_npu.preflight.values import InputErrors, read_launch
 
-REPO = Path(__file__).resolve().parent.parent
 LAUNCH = REPO / "examples" / "glm5_2" / "run_glm5_2_grpo_a3.sh"
 MEGATRON = "actor_rollout_ref.actor.megatron"
 TINY = {"model_type": "qwen2", "vocab_size": 1000, "hidden_size": 256, "intermediate_size": 512,

@@ -16,7 +16,8 @@ from collections import deque
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
+from support.paths import REPO
+
 PACKAGE = "verl_npu"
 
 

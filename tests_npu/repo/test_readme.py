@@ -5,12 +5,12 @@ from __future__ import annotations
 import re
 import subprocess
 import sys
-from pathlib import Path
+
+from support.paths import REPO
 
 from verl_npu.stack import load_stack
 from verl_npu.stack.matrix import render_markdown, replace_in
 
-REPO = Path(__file__).resolve().parent.parent
 README = (REPO / "README.md").read_text()
 
 

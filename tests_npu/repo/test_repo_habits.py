@@ -13,7 +13,8 @@ import textwrap
 import tomllib
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
+from support.paths import REPO, TESTS
+
 TESTING = "verl_npu.testing"
 # Imported only by the tests today, and owned by another change of issue 17: each entry is to leave this set.
 NOT_YET_WIRED: dict[str, str] = {}  # module -> why it is not wired yet (empty: every module is)
@@ -117,7 +118,7 @@ def test_nothing_outside_verl_npu_testing_imports_it():
 SUBPROCESS_SCRIPTS = {
     "tests_npu/support/index_share_parallel.py",
     "tests_npu/support/router_replay_parallel.py",
-    "tests_npu/test_ops_dsa_attention_mqa_triton.py",
+    "tests_npu/ops/test_ops_dsa_attention_mqa_triton.py",
     # the ascend_sim scenarios' own process: `support` for the runner, the pinned MindSpeed source for the harness
     "tests_npu/support/ascend_sim_run.py",
     "tests_npu/support/ascend_sim.py",
@@ -131,7 +132,7 @@ def test_tests_and_benchmarks_reach_verl_npu_testing_by_import_not_by_sys_path()
         for rel in _repo_files()
         if rel.endswith(".py")
         and rel.startswith(("tests_npu/", "bench/"))
-        and rel != "tests_npu/test_repo_habits.py"
+        and rel != "tests_npu/repo/test_repo_habits.py"
         and any(edit.search(line) for line in (REPO / rel).read_text().splitlines())
     }
     assert editing == SUBPROCESS_SCRIPTS, sorted(editing ^ SUBPROCESS_SCRIPTS)
@@ -168,7 +169,7 @@ def test_the_accel_tier_collects_without_verl_tree_sitter_and_the_rest_the_devic
     tail = done.stdout[-3000:] + done.stderr[-3000:]
     assert done.returncode == 0, tail
     assert "error" not in done.stdout.splitlines()[-1].lower(), tail
-    assert "tests_npu/test_engine_accel.py::" in done.stdout, tail
+    assert "tests_npu/engine/test_engine_accel.py::" in done.stdout, tail
 
 
 # --- licence and pre-commit ----------------------------------------------------------------------------
@@ -187,11 +188,15 @@ def _tool(name: str) -> str:
     return shutil.which(name) or str(Path(sys.executable).with_name(name))
 
 
-def _suite_commands(monkeypatch, module_name: str, test_name: str) -> list[list[str]]:
-    """The commands a lint test of the suite runs (recorded, not run)."""
-    import importlib
+def _suite_commands(monkeypatch, test_file: str, test_name: str) -> list[list[str]]:
+    """The commands a lint test of the suite (tests_npu/<test_file>) runs (recorded, not run). The module is loaded
+    from its file: a test module of another folder is not importable by name (tests_npu/README.md)."""
+    import importlib.util
 
-    module = importlib.import_module(module_name)
+    path = TESTS / test_file
+    spec = importlib.util.spec_from_file_location(path.stem, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
     ran: list[list[str]] = []
 
     def record(cmd, *args, **kwargs):
@@ -239,7 +244,7 @@ def test_pre_commit_runs_the_checks_the_suite_runs_at_the_pinned_versions(monkey
 
     files = _repo_files()
     # the suite ruff-checks (test_lint.py) and format-checks (below) these folders; the hooks select the same files
-    (ruff,) = _suite_commands(monkeypatch, "test_lint", "test_ruff_check_is_clean")
+    (ruff,) = _suite_commands(monkeypatch, "repo/test_lint.py", "test_ruff_check_is_clean")
     assert ruff[1] == "check" and [a for a in ruff[2:] if a.startswith("-")] == []
     linted = {f for f in files if f.endswith(".py") and f.split("/")[0] in ruff[2:]}
     assert tuple(ruff[2:]) == RUFF_FOLDERS
@@ -248,7 +253,7 @@ def test_pre_commit_runs_the_checks_the_suite_runs_at_the_pinned_versions(monkey
         assert selected == linted, (hook, sorted(selected ^ linted))
         assert not hooks[hook].get("args"), "the suite runs ruff with pyproject's settings only"
     # shellcheck: the suite's scripts (test_install_sh.py) are every shell script, at the same severity
-    (shellcheck,) = _suite_commands(monkeypatch, "test_install_sh", "test_shell_scripts_are_shellcheck_clean")
+    (shellcheck,) = _suite_commands(monkeypatch, "stack/test_install_sh.py", "test_shell_scripts_are_shellcheck_clean")
     flags = [a for a in shellcheck[1:] if a.startswith("-")]
     checked = {str(Path(a).resolve().relative_to(REPO)) for a in shellcheck[1:] if not a.startswith("-")}
     assert flags == hooks["shellcheck"]["args"]
@@ -345,3 +350,29 @@ def test_support_code_imports_no_test_module():
                 f"{path.relative_to(REPO)}: {name}" for name in names if name.split(".")[0].startswith("test_")
             ]
     assert not importing
+
+
+def _test_modules_imported(path: Path) -> list[str]:
+    names = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        names += [node.module or ""] if isinstance(node, ast.ImportFrom) else []
+        names += [alias.name for alias in node.names] if isinstance(node, ast.Import) else []
+    return [name.split(".")[0] for name in names if name.split(".")[0].startswith("test_")]
+
+
+def test_test_file_names_are_unique_and_test_modules_are_imported_only_within_their_folder():
+    """pytest puts a test file's own folder on sys.path (prepend import mode, no __init__.py), so a module name is
+    the file name: two files of one name collide, and a test module of another folder imports only when that folder
+    happened to be collected first. What two folders share goes in tests_npu/support/ (tests_npu/README.md)."""
+    tests = sorted((REPO / "tests_npu").rglob("test_*.py"))
+    folders: dict[str, list[Path]] = {}
+    for path in tests:
+        folders.setdefault(path.stem, []).append(path.parent)
+    assert not {name: dirs for name, dirs in folders.items() if len(dirs) > 1}, "test file names must be unique"
+    crossing = [
+        f"{path.relative_to(REPO)} imports {name} from {folders[name][0].relative_to(REPO)}"
+        for path in tests
+        for name in _test_modules_imported(path)
+        if name in folders and folders[name][0] != path.parent
+    ]
+    assert not crossing, "\n".join(crossing)

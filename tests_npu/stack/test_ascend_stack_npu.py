@@ -11,9 +11,9 @@ from __future__ import annotations
 
 import json
 import os
-from pathlib import Path
 
 import pytest
+from support.paths import REPO
 
 pytestmark = pytest.mark.npu
 
@@ -38,7 +38,7 @@ def _one_layer_per_kind_glm5_2():
     and 8 experts, keeping every shape the fused operators check; index_topk 1024 < the 2048-token sequence."""
     from transformers import GlmMoeDsaConfig
 
-    published = json.loads((Path(__file__).resolve().parent.parent / "examples/glm5_2/config.json").read_text())
+    published = json.loads((REPO / "examples/glm5_2/config.json").read_text())
     return GlmMoeDsaConfig.from_dict(
         {
             **published, "num_hidden_layers": 4, "indexer_types": ["full", "full", "full", "shared"],

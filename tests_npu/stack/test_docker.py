@@ -10,10 +10,10 @@ from pathlib import Path
 
 import pytest
 from support.fake_ascend import BASE_IMAGE_ENV, SOURCED_IN_ORDER, make_fake_ascend, sourced
+from support.paths import REPO
 
 from verl_npu.stack import load_stack
 
-REPO = Path(__file__).resolve().parent.parent
 DOCKERFILES = {chip: REPO / "docker" / f"Dockerfile.{chip}" for chip in ("a2", "a3")}
 
 

@@ -6,11 +6,10 @@ import shutil
 from pathlib import Path
 
 import pytest
+from support.paths import REPO
 
 from verl_npu.stack import load_stack
 from verl_npu.stack.drift import find_drift, scanned_files
-
-REPO = Path(__file__).resolve().parent.parent
 
 
 def test_repository_has_no_drift():

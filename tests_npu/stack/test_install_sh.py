@@ -24,13 +24,12 @@ from support.doctor_env import (
     install_npu_smi,
 )
 from support.fake_ascend import BASE_IMAGE_ENV, SOURCED_IN_ORDER, make_fake_ascend, sourced
+from support.paths import REPO
 from support.pypi import sdist
 
 from verl_npu.stack import load_stack
 from verl_npu.stack.build_requires import build_requirements
 from verl_npu.stack.plan import Step, install_plan
-
-REPO = Path(__file__).resolve().parent.parent
 
 
 def run_install(*args: str, env: dict[str, str] | None = None, cwd: Path = REPO) -> subprocess.CompletedProcess[str]:

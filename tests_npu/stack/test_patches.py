@@ -10,11 +10,11 @@ import tarfile
 from pathlib import Path
 
 import pytest
+from support.paths import REPO
 
 from verl_npu import upstream
 from verl_npu.stack import load_stack
 
-REPO = Path(__file__).resolve().parent.parent
 PATCHES = sorted((REPO / "patches").rglob("*.patch"))
 
 

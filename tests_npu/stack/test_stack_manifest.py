@@ -6,11 +6,12 @@ import re
 from pathlib import Path
 
 import pytest
+from support.paths import REPO
 
 from verl_npu.stack import MANIFEST_PATH, UNVERIFIED, StackError, load_stack
 from verl_npu.stack.plan import install_plan
 
-UPSTREAM_FACTS = Path(__file__).resolve().parent.parent / "docs" / "upstream_facts.md"
+UPSTREAM_FACTS = REPO / "docs" / "upstream_facts.md"
 
 
 def test_real_manifest_loads_with_the_pinned_stack():

@@ -19,6 +19,7 @@ from statistics import median
 
 import pytest
 from support.example_launch import compose_example
+from support.paths import REPO
 
 from verl_npu import contracts, upstream
 from verl_npu.contracts.verify import verify
@@ -27,7 +28,6 @@ from verl_npu.parity.probes import topk_sets
 
 pytestmark = pytest.mark.ascend_sim
 
-REPO = Path(__file__).resolve().parent.parent
 RUNNER = REPO / "tests_npu" / "support" / "ascend_sim_run.py"
 EXAMPLE_CONFIG = REPO / "examples" / "glm5_2" / "config.json"
 CP_ASSERTION = "Currently context parallelism is not supported by DSAttention!"

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
-# tests_npu/ is on sys.path through pytest (rootdir conftest, prepend import mode): `from support import ...`
+# tests_npu/ is on sys.path through pyproject's pythonpath: `from support import ...` from every folder
 
 
 @functools.cache

@@ -11,11 +11,11 @@ import subprocess
 from pathlib import Path
 
 import pytest
+from support.paths import REPO
 
 from verl_npu.bounded_read import NotReadable
 from verl_npu.envfile import EnvFileError, assignment_text, env_file_variables, parse_env_text, read_env_file
 
-REPO = Path(__file__).resolve().parent.parent
 SHIPPED = (REPO / "examples/glm5_2/glm5_2.env", REPO / "ci/nightly/nightly.env")
 
 

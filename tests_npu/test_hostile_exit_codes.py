@@ -2,7 +2,7 @@
 
 `contracts verify --source mindspeed=/nonexistent` said "0 of N contracts hold" and exit 1, which an image build
 reports as upstream drift; `python -m verl_npu.stack detect-target` said 2 (bad input) for a node whose npu-smi it
-had read. install.sh's options and variables: tests_npu/test_install_sh.py.
+had read. install.sh's options and variables: tests_npu/stack/test_install_sh.py.
 """
 
 from __future__ import annotations

@@ -26,10 +26,10 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+from support.paths import REPO
 
 from verl_npu import atomic
 
-REPO = Path(__file__).resolve().parent.parent
 OLD = b"old content\n"
 
 
@@ -497,7 +497,8 @@ def _parity_reference(path, stock, patch, guard):
 
 
 def _smoke(path, stock, patch, guard):
-    """The all-reduce needs a Ray cluster (tests_npu/test_cluster_smoke.py runs one): its results stand in here."""
+    """The all-reduce needs a Ray cluster (tests_npu/cluster/test_cluster_smoke.py runs one): its results stand in
+    here."""
     from verl_npu.cluster import smoke
 
     ray = pytest.importorskip("ray")

@@ -6,14 +6,12 @@ import re
 import signal
 import sys
 import time
-from pathlib import Path
 
 import pytest
+from support.paths import REPO
 from support.processes import alive, gone_soon, grandchild, hanging_script
 
 from verl_npu import processes
-
-REPO = Path(__file__).resolve().parent.parent
 
 
 @pytest.mark.parametrize("ignore_term", [False, True], ids=["dies-on-term", "ignores-term"])

@@ -11,12 +11,11 @@ import tarfile
 from pathlib import Path
 
 import pytest
+from support.paths import REPO
 
 from verl_npu import upstream
 from verl_npu.cli import main
 from verl_npu.stack import load_stack
-
-REPO = Path(__file__).resolve().parent.parent
 
 
 def _tree(root: Path, text: str = "VALUE = 1\n") -> Path:

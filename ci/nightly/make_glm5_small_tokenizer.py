@@ -7,7 +7,7 @@ tokenizer is to be small, to load in transformers and vLLM like a real one, to e
 BPE: no unknown token, exact round trip) and to render verl's chat prompts. The special tokens and the
 chat layout follow GLM's ([gMASK]<sop>, then <|role|> turns), so the rollout stops and templates the way
 it does for GLM-5. It is trained on a corpus generated here from a fixed seed: rerunning the script
-rewrites byte-identical files (tests_npu/test_ci_glm5_tokenizer.py checks), so the committed files are
+rewrites byte-identical files (tests_npu/ci/test_ci_glm5_tokenizer.py checks), so the committed files are
 reviewable as the output of this script and nothing else.
 """
 

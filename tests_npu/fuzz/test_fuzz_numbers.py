@@ -25,6 +25,7 @@ from unittest import mock
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
+from support.paths import REPO
 
 from verl_npu import inputs
 from verl_npu.checks import FAIL
@@ -37,7 +38,6 @@ from verl_npu.preflight.pipeline import host_memory
 from verl_npu.stack import detect
 from verl_npu.stack.detect import Platform
 
-REPO = Path(__file__).resolve().parents[2]
 CPU = Platform("cpu", "dev", "CPU only (no npu-smi, no nvidia-smi)")
 ASCII_DIGITS = "0123456789"
 

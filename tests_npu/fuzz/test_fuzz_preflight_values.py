@@ -9,7 +9,7 @@ Properties, on values of every kind (negative, zero, huge, float, bool, string, 
 - the CLI: a malformed ``--host-memory-gib`` or an output path in a missing directory is exit 2 before any work.
 
 The pipeline itself (verl's validation in a worker process, seconds an example) is exercised in
-tests_npu/test_preflight_values.py; here each example costs milliseconds.
+tests_npu/preflight/test_preflight_values.py; here each example costs milliseconds.
 """
 
 from __future__ import annotations

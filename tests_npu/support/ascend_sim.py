@@ -7,7 +7,7 @@ engine code. What stands in, and why (each is absent here, not merely inconvenie
 * torch_npu's compiled operators: ``support.fake_torch_npu`` (same signatures, input rules, fp32 results). One
   documented rule is recorded instead of enforced here: the operators' "no non-contiguous inputs". MindSpeed hands
   ``npu_sparse_flash_attention`` split views (its query's and key's latent part); whether the aclnn entry makes them
-  contiguous or the kernel refuses them only a node can tell (tests_npu/test_ascend_stack_npu.py runs that path),
+  contiguous or the kernel refuses them only a node can tell (tests_npu/stack/test_ascend_stack_npu.py runs that path),
   so every such input is listed in ``fake_torch_npu.RECORDED`` for the test to name.
   torch_npu's module surface that MindSpeed touches at import (``__file__``, ``__version__``, dtype names,
   ``torch_npu.npu`` device helpers) is given CPU answers below, each line saying what it answers for.

@@ -1,5 +1,5 @@
-"""The router replay scenario of the ascend_sim tier (tests_npu/test_ascend_sim_router_replay.py), run in a fresh
-process by support/ascend_sim_run.py.
+"""The router replay scenario of the ascend_sim tier (tests_npu/patching/test_ascend_sim_router_replay.py), run in a
+fresh process by support/ascend_sim_run.py.
 
 Engines in one process, each as verl-npu's engine starts: build plan -> MindSpeed's ``repatch`` with the plan's
 arguments (a MoE model on the alltoall dispatcher, MindSpeed's fused MoE permutation added: see ENGINE) -> for the

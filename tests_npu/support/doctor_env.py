@@ -1,4 +1,4 @@
-"""Constructed environments for the doctor's tests (tests_npu/test_doctor*.py).
+"""Constructed environments for the doctor's tests (tests_npu/doctor/test_doctor*.py).
 
 Each test builds what the doctor looks at: fake site-packages trees (``*.dist-info/METADATA`` plus
 package directories), real ``npu-smi info`` captures (tests_npu/data/npu_smi/, sources in its
@@ -19,6 +19,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 
 import pytest
+from support.paths import DATA
 
 from verl_npu import doctor
 from verl_npu.doctor import FAIL, OK, WARN, Finding, Probe
@@ -54,7 +55,7 @@ DEV_MODULES = ["megatron/core", f"{LAYER.replace('.', '/')}.py"]
 NPU_MODULES = [*DEV_MODULES, "megatron_adaptor", "transformer_engine", "mindspeed", "vllm_ascend", "torch_npu", "vllm"]
 
 
-NPU_SMI_DATA = Path(__file__).resolve().parents[1] / "data" / "npu_smi"
+NPU_SMI_DATA = DATA / "npu_smi"
 
 
 def npu_smi_capture(name: str) -> str:
@@ -105,7 +106,7 @@ def install_npu_smi(bin_dir: Path, capture: str | None, *, exit_code: int = 0, s
     shown = f"cat {shlex.quote(str(NPU_SMI_DATA / capture))}" if capture else ":"
     tool.write_text(
         "#!/bin/sh\n"
-        "# stands in for the NPU driver's npu-smi: prints a real capture (tests_npu/data/npu_smi/SOURCES.md)\n"
+        "# stands in for the NPU driver's npu-smi: prints a real capture (tests_npu/data/SOURCES.md)\n"
         'if [ "$#" -ne 1 ] || [ "$1" != info ]; then echo "npu-smi stand-in: only \\`npu-smi info\\`" >&2; exit 2; fi\n'
         f"{shown}\n" + (f"printf '%s\\n' {shlex.quote(stderr)} >&2\n" if stderr else "") + f"exit {exit_code}\n"
     )
@@ -316,7 +317,7 @@ def shm_size(monkeypatch: pytest.MonkeyPatch):
 
 def synthetic_contracts(tree: Path):
     """One contract per component on a file written into ``tree``: the real contracts name upstream sources
-    this repository does not hold (tests_npu/test_contracts.py checks those against the real artifacts)."""
+    this repository does not hold (tests_npu/contracts/test_contracts.py checks those against the real artifacts)."""
     from verl_npu.contracts.spec import Contract, Expect, fingerprint
 
     registry = []

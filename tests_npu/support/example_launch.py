@@ -9,9 +9,10 @@ import subprocess
 import sys
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[2]
+from support.paths import REPO, SUPPORT
+
 LAUNCH = REPO / "examples" / "glm5_2" / "run_glm5_2_grpo_a3.sh"
-COMPOSE = REPO / "tests_npu" / "support" / "compose_verl_config.py"
+COMPOSE = SUPPORT / "compose_verl_config.py"
 
 
 def launch(tmp_path: Path, *extra: str, **env: str) -> subprocess.CompletedProcess[str]:

@@ -1,7 +1,7 @@
 """Stand-ins for the torch_npu operators that verl_npu.ops.ascend calls, for tests without an NPU.
 
 Each function has exactly the signature torch-npu 2.10.0.post4 registers (recorded in
-verl_npu/contracts/torch_npu.py, checked against the wheel; tests_npu/test_contracts.py compares the
+verl_npu/contracts/torch_npu.py, checked against the wheel; tests_npu/contracts/test_contracts.py compares the
 two), asserts the input rules the operator
 documents or its kernel checks (dtypes, BSND layout, contiguity, int32 indices in the
 valid-first-then--1 form, head counts and dims, modes), so an adapter that hands the real operator

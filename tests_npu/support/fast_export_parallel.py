@@ -25,7 +25,7 @@ DENSE = dict(
     vocab_size=512, hidden_size=128, intermediate_size=320, num_hidden_layers=4, num_attention_heads=4,
     num_key_value_heads=2, max_position_embeddings=256, tie_word_embeddings=True,
 )  # fmt: skip
-# GLM-5-shaped (tests_npu/test_glm5_bridge.py's): a dense layer, then a MoE layer with routed experts and the
+# GLM-5-shaped (tests_npu/engine/test_glm5_bridge.py's): a dense layer, then a MoE layer with routed experts and the
 # router's expert bias; half-split RoPE pairs, so the bridge reorders rotary rows on export
 GLM5 = dict(
     vocab_size=128, hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_hidden_layers=2,

@@ -1,4 +1,4 @@
-"""The tiny GLM-5.2-shaped model of the IndexShare tests (tests_npu/test_index_share.py and its parallel ranks,
+"""The tiny GLM-5.2-shaped model of the IndexShare tests (tests_npu/engine/test_index_share.py and its parallel ranks,
 support/index_share_parallel.py): layers 0, 1, 2 and 6 full, 3, 4, 5 and 7 shared (GLM-5.2's layout cut to 8
 layers), an index top-k (6) below the sequence length (24 tokens), so that the selection matters."""
 

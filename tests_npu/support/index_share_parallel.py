@@ -1,4 +1,4 @@
-"""One rank of a parallel run of the tiny GLM-5.2 (tests_npu/test_index_share.py's model) on CPU, gloo.
+"""One rank of a parallel run of the tiny GLM-5.2 (tests_npu/engine/test_index_share.py's model) on CPU, gloo.
 
     python index_share_parallel.py RANK WORLD PORT WORKDIR [--tp N] [--ep N] [--sp] [--no-carry | --stale-carry]
 

@@ -2,8 +2,8 @@
 realistic porting fault (issue 30).
 
 Test-only: each injection is a bug, patched into this process's verl-npu engine before the job builds its model (or
-into the model it built), so that tests_npu/test_parity.py and tests_npu/test_parity_faults.py can show the
-comparison catches it and names the module. The first five stand in for the mismatches upstream found between
+into the model it built), so that tests_npu/parity/test_parity.py and tests_npu/parity/test_parity_faults.py can show
+the comparison catches it and names the module. The first five stand in for the mismatches upstream found between
 Ascend's and the reference's numerics (docs/upstream_facts.md):
 
 - ``k_norm_eps``: the indexer's key norm with megatron-core's eps (the model's layernorm_epsilon, 1e-5) instead of

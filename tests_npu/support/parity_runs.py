@@ -14,8 +14,9 @@ import sys
 from pathlib import Path
 from typing import Any
 
-REPO = Path(__file__).resolve().parents[2]
-INJECT = REPO / "tests_npu" / "support" / "parity_injections.py"
+from support.paths import SUPPORT
+
+INJECT = SUPPORT / "parity_injections.py"
 CPU_MODELS = ("glm5_2", "dense")
 
 

@@ -1,5 +1,5 @@
 """What the routing-replay tests share: the tiny GLM-5.2 engine with replay on, a GRPO batch, verl's passes, and
-a watch on what every router really chose (tests_npu/test_router_replay.py, one process, and
+a watch on what every router really chose (tests_npu/engine/test_router_replay.py, one process, and
 tests_npu/support/router_replay_parallel.py, a rank of a gloo run).
 
 The watch identifies a router row's token by megatron's layout, stated here independently of the code under

@@ -58,12 +58,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from support import pypi
+from support.paths import REPO, TESTS
 
-TESTS = Path(__file__).resolve().parent.parent
 # GLM-5.2's published config (examples/glm5_2/config.json) at small sizes, the model the vLLM runs build: layers 0-2
 # dense, 3-7 MoE (4 experts, top-2), the published indexer and MLP layer kinds
 SCALED_LAYERS = 8
-PUBLISHED_GLM5_2 = json.loads((TESTS.parent / "examples" / "glm5_2" / "config.json").read_text())
+PUBLISHED_GLM5_2 = json.loads((REPO / "examples" / "glm5_2" / "config.json").read_text())
 SCALED_GLM5_2 = {
     **{k: v for k, v in PUBLISHED_GLM5_2.items() if k not in ("architectures", "torch_dtype", "use_cache")},
     "vocab_size": 128, "hidden_size": 64, "intermediate_size": 160, "moe_intermediate_size": 48,

@@ -42,7 +42,7 @@ gitcode is reachable. The tests skip, naming both, where neither exists; they fi
 contract above against that source, then apply `patches/mindspeed/` as `install.sh` does.
 
 Real, executed: MindSpeed's whole default features list, its patch manager and `repatch`; verl-npu's
-runtime layer, build plan and GLM-5 bridge; megatron-core 0.18. In `tests_npu/test_ascend_sim_mindspeed.py`:
+runtime layer, build plan and GLM-5 bridge; megatron-core 0.18. In `tests_npu/patching/test_ascend_sim_mindspeed.py`:
 
 - the GLM-5.2 example's actor as composed from the real launch script: build plan, `repatch`, the bridge's
   `MLATransformerConfig` at CP 4 / TP 2 / PP 8 / EP 64, then the layer specs of all eight pipeline stages
@@ -75,14 +75,14 @@ What executing it found, each fixed in verl-npu and tested:
   `TransformerConfig.__init__` always) while verl's flags keep verl from patching again: replayed duplicate
   experts stop setting `num_out_tokens`. Runtime patch `mindspeed-router-replay` puts verl's patches back
   after each `repatch`, keeping the first engine's routers registered
-  (`tests_npu/test_ascend_sim_router_replay.py`, through megatron's router and dispatcher).
+  (`tests_npu/patching/test_ascend_sim_router_replay.py`, through megatron's router and dispatcher).
 
 Found there too, refused by the build plan on Ascend: with MindSpeed's fused MoE permutation on the alltoall
 dispatcher no megatron-core 0.18 MoE layer builds (contract
 `mindspeed-fused-permute-dispatcher-init-without-process-groups`), and any `repatch` with `moe_tp_extend_ep` raises
 (contract `mindspeed-tp-extend-ep-manages-routing`).
 
-vLLM's loader, executed (`tests_npu/test_vllm_load_weights.py`, also `network`): vLLM 0.23.0 and
+vLLM's loader, executed (`tests_npu/engine/test_vllm_load_weights.py`, also `network`): vLLM 0.23.0 and
 vllm-ascend 0.23.0 from their PyPI sdists (the images install vLLM from its source tree, so the sdist's
 Python is what runs there), in a process of their own (`tests_npu/support/vllm_cpu.py`). Real: verl-npu's
 engine and GLM-5 bridge export (`get_per_tensor_param`, BF16); verl 0.9.1's bucketed sender and
@@ -110,7 +110,7 @@ Still stand-ins (`tests_npu/support/ascend_sim.py`), because they cannot exist o
 - One rank on gloo: CP > 1 is built (config, specs) but its attention does not run.
 - Two documented operator rules are recorded instead of enforced: non-contiguous inputs (MindSpeed hands
   `npu_sparse_flash_attention` split views of its query and key: whether the aclnn entry makes them
-  contiguous only `tests_npu/test_ascend_stack_npu.py` on a node can tell; the tests list exactly those
+  contiguous only `tests_npu/stack/test_ascend_stack_npu.py` on a node can tell; the tests list exactly those
   four inputs), and, in the fp32 run only, the operators' fp16/bf16 inputs (the bf16 run enforces it).
 """
 

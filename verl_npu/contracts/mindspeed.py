@@ -236,8 +236,8 @@ CONTRACTS = (
         sha256="55236577d3e4d8977ee24a5c4df23478b816fe04b1006bf591ae613afd084ea5",
         relied_on="MindSpeed's default features list holds the NpuEnhancement feature (basic features, first) and "
         "the DSA feature (transformer features, later): both run in every repatch",
-        used_by="verl_npu/runtime_patches/mindspeed_dsa_cp_config.py; tests_npu/test_ascend_sim_mindspeed.py runs "
-        "this list",
+        used_by="verl_npu/runtime_patches/mindspeed_dsa_cp_config.py; "
+        "tests_npu/patching/test_ascend_sim_mindspeed.py runs this list",
         expects=(
             Expect("add_basic_optimizer_features(features_list)", "NpuEnhancement is in the list"),
             Expect("add_transformer_features(features_list)", "DSA is in the list"),
@@ -475,8 +475,8 @@ CONTRACTS = (
         "dispatcher MindSpeed manages MoEAlltoAllTokenDispatcher.preprocess (a sync wrapper), where verl's router "
         "replay wraps it; without mindspeed.lite's triton sort (absent at this commit) it also manages the "
         "dispatcher's __init__ (see mindspeed-fused-permute-dispatcher-init-without-process-groups)",
-        used_by="verl_npu/runtime_patches/mindspeed_router_replay.py; tests_npu/test_ascend_sim_router_replay.py runs "
-        "it",
+        used_by="verl_npu/runtime_patches/mindspeed_router_replay.py; "
+        "tests_npu/patching/test_ascend_sim_router_replay.py runs it",
         expects=(
             Expect(
                 'getattr(args, self.feature_name, None) or getattr(args, "use_fused_moe_token_permute_and_unpermute"',
@@ -501,8 +501,8 @@ CONTRACTS = (
         relied_on="MindSpeed's wrapper of the alltoall dispatcher's __init__ takes (num_local_experts, "
         "local_expert_indices, config) only; megatron-core 0.18's MoELayer passes pg_collection, so with the fused "
         "permutation on the alltoall dispatcher no MoE layer builds (TypeError)",
-        used_by="tests_npu/test_ascend_sim_router_replay.py (executes it; the build plan is to refuse the fused "
-        "permutation with the alltoall dispatcher on Ascend)",
+        used_by="tests_npu/patching/test_ascend_sim_router_replay.py (executes it; the build plan is to refuse the "
+        "fused permutation with the alltoall dispatcher on Ascend)",
         expects=(
             Expect("def wrapper(self, num_local_experts, local_expert_indices, config) -> None:", "no pg_collection"),
             Expect("pg_collection", "nothing passes process groups on", present=False),
@@ -520,7 +520,7 @@ CONTRACTS = (
         "routing sits); the feature first imports MindSpeed's moe_feature package, which imports megatron's legacy "
         "alltoall_seq dispatcher that megatron-core 0.18 no longer has, so any repatch with moe_tp_extend_ep raises",
         used_by="verl_npu/runtime_patches/mindspeed_router_replay.py (puts verl's routing back where MindSpeed "
-        "manages it); tests_npu/test_ascend_sim_router_replay.py (executes the import failure)",
+        "manages it); tests_npu/patching/test_ascend_sim_router_replay.py (executes the import failure)",
         expects=(
             Expect("'megatron.core.transformer.moe.router.TopKRouter.routing',", "routing is managed"),
             Expect(

@@ -9,7 +9,7 @@ Two groups of facts:
   ``load_format: dummy`` a parameter never sent stays random, and nothing checks completeness, so the
   export must name exactly the parameters vLLM (with vllm-ascend's GLM-5 patch, see
   verl_npu/contracts/vllm_ascend.py) builds. The constants below are those facts, kept for drift;
-  tests_npu/test_vllm_load_weights.py executes the load itself (vLLM and vllm-ascend from their sdists,
+  tests_npu/engine/test_vllm_load_weights.py executes the load itself (vLLM and vllm-ascend from their sdists,
   verl's sync code) and checks these facts against the model vLLM builds there.
 * The vLLM engine-core methods verl 0.9.1's GLM-5.2 rollout patch (``VERL_VLLM_ASCEND_GLM52_PATCH``,
   verl/utils/vllm/npu_vllm_patch.py) checks and replaces: it raises only when the rollout starts, so
@@ -76,7 +76,7 @@ CONTRACTS = (
         line=0,
         sha256="f2a9fa24a5845fb7e0dbdbee5c0e83c5479ba5e4243159ca102dbebdf120560c",
         relied_on="vLLM builds GlmMoeDsaForCausalLM (GLM-5, GLM-5.2) from deepseek_v2.py",
-        used_by="verl_npu/engine/bridges/glm5.py (export_weights), tests_npu/test_vllm_load_weights.py",
+        used_by="verl_npu/engine/bridges/glm5.py (export_weights), tests_npu/engine/test_vllm_load_weights.py",
         expects=(Expect('"GlmMoeDsaForCausalLM": ("deepseek_v2", "GlmMoeDsaForCausalLM"),', "GLM-5's vLLM module"),),
     ),
     Contract(
@@ -88,7 +88,7 @@ CONTRACTS = (
         line=1750,
         sha256="1339cc95fc89de2e96b12a8b7334d23a12272d7883196d58c614bfefc996f1db",
         relied_on="GlmMoeDsaForCausalLM is DeepseekV2ForCausalLM unchanged (same parameters, same load_weights)",
-        used_by="tests_npu/test_vllm_load_weights.py",
+        used_by="tests_npu/engine/test_vllm_load_weights.py",
         expects=(
             Expect("class GlmMoeDsaForCausalLM(DeepseekV2ForCausalLM):\n    pass", "a subclass that adds nothing"),
         ),
@@ -103,7 +103,7 @@ CONTRACTS = (
         sha256="4a009663e5f4844fef42c1ce67b4525bd03d32c62cc0f73bb015a9f9307e82e5",
         relied_on="DeepseekV2ForCausalLM.load_weights hands every name to AutoWeightsLoader without skip prefixes: "
         "model.* goes to DeepseekV2Model.load_weights, lm_head.weight to the head",
-        used_by="tests_npu/test_vllm_load_weights.py",
+        used_by="tests_npu/engine/test_vllm_load_weights.py",
         expects=(Expect("loader = AutoWeightsLoader(self)\n", "no names skipped at the top level"),),
     ),
     Contract(
@@ -120,7 +120,7 @@ CONTRACTS = (
         "other name up in its parameters: a name with no parameter raises KeyError; nothing checks that every "
         "parameter was loaded",
         used_by="verl_npu/contracts/vllm.py (STACKED_PARAMETERS, SKIPPED_SUBSTRINGS), "
-        "tests_npu/test_vllm_load_weights.py",
+        "tests_npu/engine/test_vllm_load_weights.py",
         expects=(
             Expect(
                 '("gate_up_proj", "gate_proj", 0),\n            ("gate_up_proj", "up_proj", 1),', "dense MLP fusion"
@@ -153,7 +153,7 @@ CONTRACTS = (
         sha256="d26c81170418e5c9831df59a5b999f09939d1cb8273e24fac4beea5bd15a4927",
         relied_on="MTP (spec-decode) layers are checkpoint layers num_hidden_layers .. num_hidden_layers + "
         "num_nextn_predict_layers - 1, which the main model's loader skips",
-        used_by="verl_npu/engine/bridges/glm5.py (MTP not built), tests_npu/test_vllm_load_weights.py",
+        used_by="verl_npu/engine/bridges/glm5.py (MTP not built), tests_npu/engine/test_vllm_load_weights.py",
         expects=(
             Expect("layer_idx = config.num_hidden_layers", "MTP layers start after the decoder"),
             Expect("for i in range(config.num_nextn_predict_layers):", "one per num_nextn_predict_layers"),
@@ -172,7 +172,7 @@ CONTRACTS = (
         "rms_norm_eps (1e-5 for GLM-5.2), which the engine's q_layernorm / kv_layernorm follow; transformers' "
         "GlmMoeDsa builds them with 1e-6 instead",
         used_by="verl_npu/engine/bridges/glm5.py (layernorm_epsilon), verl_npu/parity/independent.py (the latent "
-        "norms' eps), tests_npu/test_parity_independent.py, docs/parity.md",
+        "norms' eps), tests_npu/parity/test_parity_independent.py, docs/parity.md",
         expects=(
             Expect("self.q_a_layernorm = RMSNorm(self.q_lora_rank, eps=config.rms_norm_eps)", "q latent: rms_norm_eps"),
             Expect(
@@ -191,7 +191,7 @@ CONTRACTS = (
         relied_on="a layer is MoE when n_routed_experts is set, layer_idx >= first_k_dense_replace and layer_idx % "
         "moe_layer_freq == 0 (vLLM does not read mlp_layer_types, which the bridge follows); every layer has "
         "input_layernorm and post_attention_layernorm",
-        used_by="tests_npu/test_vllm_load_weights.py (vLLM's parameters of the tiny GLM-5.2)",
+        used_by="tests_npu/engine/test_vllm_load_weights.py (vLLM's parameters of the tiny GLM-5.2)",
         expects=(
             Expect('moe_layer_freq = getattr(config, "moe_layer_freq", 1)', "MoE frequency, default 1"),
             Expect("and layer_idx >= config.first_k_dense_replace", "dense layers come first"),
@@ -211,7 +211,7 @@ CONTRACTS = (
         relied_on="DeepseekV2MoE has a router gate, a gate.e_score_correction_bias parameter only when topk_method is "
         "'noaux_tc' (GLM-5's config says so; without it the bridge's exported bias has no parameter), shared experts "
         "(an MLP) when n_shared_experts is set, and FusedMoE's routed experts",
-        used_by="verl_npu/contracts/vllm.py (MOE_PARAMETERS), tests_npu/test_vllm_load_weights.py",
+        used_by="verl_npu/contracts/vllm.py (MOE_PARAMETERS), tests_npu/engine/test_vllm_load_weights.py",
         expects=(
             Expect('if getattr(config, "topk_method", None) == "noaux_tc":', "the bias exists only for noaux_tc"),
             Expect("self.gate.e_score_correction_bias = nn.Parameter(", "a parameter, loaded by name"),
@@ -229,7 +229,7 @@ CONTRACTS = (
         sha256="0d48c32e33f58698ebccbb6a5a6392bddb3ee4e0f9d500af2475af34b0aa9d27",
         relied_on="checkpoint experts.<id>.gate_proj / up_proj load into FusedMoE's experts.w13_*, down_proj into "
         "experts.w2_* (EXPERT_PARAMETERS)",
-        used_by="verl_npu/contracts/vllm.py (EXPERT_PARAMETERS), tests_npu/test_vllm_load_weights.py",
+        used_by="verl_npu/contracts/vllm.py (EXPERT_PARAMETERS), tests_npu/engine/test_vllm_load_weights.py",
         expects=(
             Expect('f"experts.{base_layer}w13_"', "gate and up projections load into w13"),
             Expect(
@@ -250,7 +250,7 @@ CONTRACTS = (
         relied_on="an Indexer holds wq_b, wk_weights_proj (wk and weights_proj fused) and k_norm (a LayerNorm with "
         "weight and bias, eps 1e-6)",
         used_by="verl_npu/contracts/vllm.py (INDEXER_PARAMETERS), verl_npu/engine/index_share.py (k_norm eps 1e-6), "
-        "tests_npu/test_vllm_load_weights.py",
+        "tests_npu/engine/test_vllm_load_weights.py",
         expects=(
             Expect("self.wq_b = ReplicatedLinear(", "wq_b"),
             Expect("self.wk_weights_proj = MergedColumnParallelLinear(", "wk and weights_proj fused"),
@@ -571,7 +571,7 @@ CONTRACTS = (
         relied_on="a worker's capture buffer is [max_num_batched_tokens, num_hidden_layers, top-k] int32 of the "
         "language model's config: one column per decoder layer, MoE or not",
         used_by="verl_npu/preflight/router_replay.py, verl_npu/preflight/memory_plan.py (R3's routes per token), "
-        "tests_npu/test_preflight_router_replay.py (executes it)",
+        "tests_npu/preflight/test_preflight_router_replay.py (executes it)",
         expects=(
             Expect("hf_config = vllm_config.model_config.hf_text_config", "the language model's config"),
             Expect(
@@ -596,7 +596,7 @@ CONTRACTS = (
         "an even sequence-parallel shard, and raises 'unexpected topk_ids batch dim' on any other slice (an uneven "
         "all-to-all one)",
         used_by="verl_npu/preflight/router_replay.py (R3 with rollout TP > 1, EP > 1 needs vllm-ascend's capture), "
-        "tests_npu/test_preflight_router_replay.py (executes it)",
+        "tests_npu/preflight/test_preflight_router_replay.py (executes it)",
         expects=(
             Expect(
                 "if ctx.dp_metadata is None:  # single dp\n            start_loc = 0\n            end_loc = "

@@ -18,7 +18,7 @@ ALLOC_CONF_VARIABLE = "PYTORCH_NPU_ALLOC_CONF"
 EXPANDABLE_SEGMENTS = "expandable_segments:True"
 
 # verl 0.9.1's switch for its vllm-ascend 0.23 GLM-5.2 fixes and the values it accepts (lowercased, stripped);
-# tests_npu/test_contracts.py reads both from verl's source.
+# tests_npu/contracts/test_contracts.py reads both from verl's source.
 GLM52_PATCH_VARIABLE = "VERL_VLLM_ASCEND_GLM52_PATCH"
 GLM52_PATCH_ON_VALUES = ("1", "true", "yes")
 
@@ -80,7 +80,7 @@ CONTRACTS = (
         relied_on="vllm-ascend's requirements pin transformers==5.5.4 and arctic-inference==0.1.1 (removed by "
         "patches/vllm-ascend/0001-*, the stack pins transformers) and torchvision==0.25.0 / torchaudio==2.10.0 (the "
         "stack pins the same versions, from the CPU index on x86_64)",
-        used_by="patches/vllm-ascend/, verl_npu/stack/stack.toml, tests_npu/test_resolution.py",
+        used_by="patches/vllm-ascend/, verl_npu/stack/stack.toml, tests_npu/stack/test_resolution.py",
         expects=(
             Expect("transformers==5.5.4", "the transformers pin our patch removes"),
             Expect("arctic-inference==0.1.1", "the plugin our patch removes"),
@@ -137,7 +137,7 @@ CONTRACTS = (
         "KeyError in vLLM's loader); MTP layers keep theirs; the MLA parameters are fused_qkv_a_proj, q_a_layernorm, "
         "q_b_proj, kv_a_layernorm, kv_b_proj and o_proj",
         used_by="verl_npu/contracts/vllm_ascend.py (layers_without_indexer, MLA_PARAMETERS), "
-        "verl_npu/engine/bridges/glm5.py (export_weights), tests_npu/test_glm5_2_bridge.py",
+        "verl_npu/engine/bridges/glm5.py (export_weights), tests_npu/engine/test_glm5_2_bridge.py",
         expects=(
             Expect("DeepseekV2MLAAttention.__init__ = _deepseek_v2_mla_attention_init", "replaces vLLM's layer"),
             Expect("if not skip_topk:\n        return False", "a layer computing its own top-k keeps its indexer"),
@@ -172,7 +172,7 @@ CONTRACTS = (
         "q_a_layernorm and kv_a_layernorm are RMSNorms with the config's rms_norm_eps (1e-5 for GLM-5.2), which the "
         "engine's q_layernorm / kv_layernorm follow",
         used_by="verl_npu/engine/bridges/glm5.py (layernorm_epsilon), verl_npu/parity/independent.py (the latent "
-        "norms' eps), tests_npu/test_parity_independent.py, docs/parity.md",
+        "norms' eps), tests_npu/parity/test_parity_independent.py, docs/parity.md",
         expects=(
             Expect(
                 "self.q_a_layernorm=RMSNorm(self.q_lora_rank,eps=config.rms_norm_eps,)",
@@ -683,7 +683,7 @@ CONTRACTS = (
         relied_on="with vLLM 0.23.0 the NPU runner stores the capturer on every FusedMoE module of the compilation "
         "context (vllm-ascend's routing never calls vLLM's router hook, where vLLM's GPU runner binds it)",
         used_by="verl_npu/preflight/router_replay.py (the R3 rollout check's capture path), "
-        "tests_npu/test_preflight_router_replay.py (executes it)",
+        "tests_npu/preflight/test_preflight_router_replay.py (executes it)",
         expects=(
             Expect('if vllm_version_is("0.23.0"):', "the vLLM 0.23.0 branch"),
             Expect(
@@ -705,7 +705,7 @@ CONTRACTS = (
         relied_on="the unquantized MoE method selects the experts and, when enable_return_routed_experts is on, hands "
         "the capturer the same topk_ids (before the zero-expert rewrite) with the layer's absolute index",
         used_by="verl_npu/preflight/router_replay.py (R3 on Ascend needs the unquantized rollout), "
-        "tests_npu/test_preflight_router_replay.py (executes it)",
+        "tests_npu/preflight/test_preflight_router_replay.py (executes it)",
         expects=(
             Expect("topk_weights, topk_ids = select_experts(", "the routes are chosen here"),
             Expect(
@@ -777,7 +777,7 @@ CONTRACTS = (
         relied_on="before routing, the all-to-all MoE pads the step to at least TP rows and gives each TP rank "
         "tensor_split(tokens, TP)[rank], so a rank routes only its slice",
         used_by="verl_npu/preflight/router_replay.py (R3 with rollout EP > 1 and TP > 1), "
-        "tests_npu/test_preflight_router_replay.py (executes it)",
+        "tests_npu/preflight/test_preflight_router_replay.py (executes it)",
         expects=(
             Expect(
                 "split_hidden_states = torch.tensor_split(hidden_states, self.tp_size, dim=0)",
@@ -846,7 +846,7 @@ CONTRACTS = (
         "of tokens / TP) and the MC2-padded ones, all-gathers them over the TP group and keeps the DP rank's tokens; "
         "without DP metadata it keeps whatever the rank routed",
         used_by="verl_npu/preflight/router_replay.py (R3 needs it with rollout TP > 1 and EP > 1), "
-        "tests_npu/test_preflight_router_replay.py (executes it)",
+        "tests_npu/preflight/test_preflight_router_replay.py (executes it)",
         expects=(
             Expect(
                 "if ctx.dp_metadata is None:  # single dp\n        start_loc = 0\n        end_loc = topk_ids.shape[0]",
@@ -864,7 +864,8 @@ CONTRACTS = (
 )
 
 # verl 0.9.1's GLM-5.2 patch: each vllm-ascend object it reads, replaces or imports (as verl names it) -> the
-# contracts on it (tests_npu/test_contracts.py checks that these cover every target and every check of verl's patch).
+# contracts on it (tests_npu/contracts/test_contracts.py checks that these cover every target and every check of
+# verl's patch).
 VERL_GLM52_PATCH_TARGETS = {
     "vllm_ascend.ops.layernorm.AscendRMSNorm.forward_oot": (
         "vllm-ascend-rms-norm-adds-the-residual-in-the-fused-kernel",

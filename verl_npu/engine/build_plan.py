@@ -441,7 +441,7 @@ def _router_replay(plan: _Draft, problems: _Problems, otc: Mapping[str, Any], en
 
 def _mindspeed_moe(plan: _Draft, problems: _Problems, otc: Mapping[str, Any]) -> None:
     """MindSpeed core_r0.18.0's MoE features that cannot run over megatron-core 0.18 (executed with MindSpeed's
-    source on the CPU: tests_npu/test_ascend_sim_router_replay.py, docs/router_replay.md)."""
+    source on the CPU: tests_npu/patching/test_ascend_sim_router_replay.py, docs/router_replay.md)."""
     if plan.platform != "ascend":
         return
     if otc.get("moe_tp_extend_ep"):

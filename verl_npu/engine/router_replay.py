@@ -79,7 +79,7 @@ class PaddedLayout:
     input: every sample to the longest (or ``forced_max_seqlen``), aligned for SP and CP (and FP8 blocks), and
     under CP each rank holding chunks ``rank`` and ``2 * cp - 1 - rank`` of ``2 * cp``. It is computed here
     instead of called: on Ascend that function also builds a ``[batch, 1, seq, seq]`` attention mask, 1 GiB at
-    32k tokens, for each call. tests_npu/test_router_replay.py compares the two over TP, CP, FP8 and forced
+    32k tokens, for each call. tests_npu/engine/test_router_replay.py compares the two over TP, CP, FP8 and forced
     lengths."""
 
     lengths: tuple[int, ...]  # tokens of each sample

@@ -19,7 +19,7 @@ Sources for the operators' contracts (learned from, not copied):
   lightning_indexer_tiling.cpp``) and ``aclnnSparseLightningIndexerGradKLLoss.md`` (its spec table).
 - how MindSpeed calls them for DSA (Ascend/MindSpeed ``dsa_npu_fused.py``): BSND from megatron's
   SBND, indices int32 with a key-head axis, ``attention_mode=2``, the latent key passed as key and value.
-Facts no source confirmed are marked UNCONFIRMED below; tests_npu/test_ops_npu.py checks them on an NPU.
+Facts no source confirmed are marked UNCONFIRMED below; tests_npu/ops/test_ops_npu.py checks them on an NPU.
 """
 
 from __future__ import annotations

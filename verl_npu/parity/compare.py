@@ -697,7 +697,7 @@ def compare(
 
 def _after_an_update(check: str) -> bool:
     """A check of a value computed after the first optimizer step: a later step's loss or gradient norm, the
-    log-probs after training (the training checks of tests_npu/test_parity.py measured how chaotic they are)."""
+    log-probs after training (the training checks of tests_npu/parity/test_parity.py measured how chaotic they are)."""
     name = check.partition(".")[2]
     if name.startswith("after-training."):
         return True

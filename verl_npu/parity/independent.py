@@ -375,8 +375,8 @@ def _layer_order(key: str) -> tuple[int, int]:
 
 
 # How far the engine's fp64 log-probs may be from the reference with the engine's float32 parts (ENGINE_FLOAT32): 1000x
-# the difference measured on the CPU (1.2e-14 glm5_2, 1.5e-13 dense; tests_npu/test_parity_independent.py), float64
-# rounding with room for another BLAS or summation order
+# the difference measured on the CPU (1.2e-14 glm5_2, 1.5e-13 dense; tests_npu/parity/test_parity_independent.py),
+# float64 rounding with room for another BLAS or summation order
 ENGINE_PRECISION_BOUND = {"glm5_2": 1e-11, "dense": 1e-10}
 
 

@@ -21,7 +21,7 @@ fp32 is computed in fp32 (HF32 on Ascend, TF32 on CUDA off: docs/parity.md).
 Deterministic: ``torch.use_deterministic_algorithms(True)`` (verl's deterministic mode; every verl-npu op is
 bitwise repeatable there or refuses by name), so two runs on one machine agree bit for bit. It runs on the CUDA
 reference device without verl's Ray-based driver stack, which that device does not carry; the model it builds is
-the one verl's engine builds (tests_npu/test_parity_engine.py checks their log-probs agree on the CPU).
+the one verl's engine builds (tests_npu/parity/test_parity_engine.py checks their log-probs agree on the CPU).
 
 ``path``: ``default`` (what a launch gets on this platform: on Ascend MindSpeed's fused DSA operators for the model
 whose shapes they take), ``portable`` (verl-npu's portable PyTorch operators only) or ``fused`` (Ascend's fused

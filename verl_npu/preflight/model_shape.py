@@ -10,7 +10,7 @@ ValueError) naming each one, and a config.json is checked before transformers bu
 it (:func:`check_values`).
 
 Counts follow the modules transformers instantiates for the family (checked against real tiny models
-in tests_npu/test_preflight_memory.py), split the way megatron shards them: ``tp`` (split over tensor
+in tests_npu/preflight/test_preflight_memory.py), split the way megatron shards them: ``tp`` (split over tensor
 parallel ranks), ``replicated`` (norms, router, DSA indexer, and MLA down projections, which TE builds
 ``duplicated``) and ``expert`` (all routed experts of the layer; megatron splits them over EP x ETP).
 Multi-token-prediction layers are not modelled (transformers does not instantiate them either).

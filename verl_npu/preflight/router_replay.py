@@ -5,7 +5,8 @@ verl 0.9.1 replays routes in its Megatron engine when ``actor_rollout_ref.actor.
 ``actor_rollout_ref.rollout.enable_rollout_routing_replay`` is on). Nothing in verl checks the two keys against each
 other before the first training step, nor the rollout against what R3 needs; this module does, and reports every
 problem of one launch at once. docs/preflight_rollout.md ("Routing replay") gives each rule with the verl, vLLM and
-vllm-ascend code it follows, and what tests_npu/test_preflight_router_replay.py executes on the CPU to establish it.
+vllm-ascend code it follows, and what tests_npu/preflight/test_preflight_router_replay.py executes on the CPU to
+establish it.
 
 Reads the resolved config itself (the typed launch view has no replay keys) through the same Reader, so a bad value
 is a FAIL naming its key and what is allowed, and no rule is judged on a value that was not read.
@@ -13,7 +14,7 @@ is a FAIL naming its key and what is allowed, and no rule is judged on a value t
 The vLLM and vllm-ascend facts the verdicts rest on are recorded contracts (:data:`CONTRACTS`, listed in
 docs/ascend_contracts.md), verified against the pinned sources by the network-tier tests, at every image build and
 by ``verl-npu doctor``; verl's side (its server asking for the routes) is checked against the installed verl by
-tests_npu/test_contracts.py.
+tests_npu/contracts/test_contracts.py.
 """
 
 from __future__ import annotations

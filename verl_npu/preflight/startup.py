@@ -41,7 +41,7 @@ GiB = 2**30
 
 # the engine's build plus HF load against `cat`'s rate on the nvidia-h200, the slowest of the committed runs
 # (engines.ours.phases.load.fraction_of_limit: dense 0.614, GLM-5 bf16 0.641, GLM-5 FP8 0.617 in bench/results/
-# rl_step_*_h200.json), rounded down; tests_npu/test_preflight_startup.py keeps it so.
+# rl_step_*_h200.json), rounded down; tests_npu/preflight/test_preflight_startup.py keeps it so.
 ENGINE_SHARE_OF_DISK_RATE = 0.61
 SAFETY_FACTOR = 2.0  # the rate a node gets when every node reads at once is rarely what one node measured alone
 BUILD_ALLOWANCE_S = 60  # what differs between ranks besides the load: the build's skew (docs/preflight_startup.md)

@@ -11,7 +11,7 @@ CUDA-only, and ``rotate_activation`` asserts it is installed, so DSA could not r
 it never is) nor on machines without it. And the reference implementation GLM-5's rollout follows
 (transformers' GlmMoeDsa, vLLM's bf16 path) computes the index scores without the rotation: it is
 orthogonal, so it changes nothing in exact arithmetic, but in bf16 it rounds q and k and moves the
-top-k selection (measured: tests_npu/test_index_share.py), so training would select different keys
+top-k selection (measured: tests_npu/engine/test_index_share.py), so training would select different keys
 than the rollout.
 Upstream: megatron-core 0.18.0 megatron/core/transformer/experimental_attention_variant/dsa.py
 (rotate_activation).

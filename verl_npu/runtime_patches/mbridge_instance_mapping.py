@@ -5,7 +5,7 @@ the original runs, so that ``_adjust_mapping_for_shared_weights`` (called from `
 Why: mbridge 0.15.1's Qwen2, Qwen2.5-VL, Gemma3 and InternVL3 bridges tie a ``tie_word_embeddings`` model's output
 layer to its embedding by writing into the class's table. Every later bridge of that class in the process then loads
 and exports its output layer as the embedding: a critic or reward model beside a tied actor, or the next model of a
-test process, gets a wrong ``lm_head`` with no error (tests_npu/test_runtime_patches.py shows it).
+test process, gets a wrong ``lm_head`` with no error (tests_npu/patching/test_runtime_patches.py shows it).
 Upstream: mbridge 0.15.1 mbridge/core/bridge.py (Bridge.__init__), mbridge/models/qwen2.py
 (Qwen2Bridge._adjust_mapping_for_shared_weights).
 Remove when: mbridge's bridges keep the tied table on the instance.

@@ -25,8 +25,8 @@ verl's patch is put back all the same). MindSpeed manages ``TopKRouter.routing``
 cannot repatch over megatron-core 0.18 (contract mindspeed-tp-extend-ep-manages-routing); and at this commit its fused
 permutation also wraps the dispatcher's ``__init__`` without megatron-core 0.18's process groups (contract
 mindspeed-fused-permute-dispatcher-init-without-process-groups), so no MoE layer builds under it: both are for the
-build plan to refuse; this patch keeps verl's replay right once they build. tests_npu/test_ascend_sim_router_replay.py
-executes all of it over MindSpeed's source.
+build plan to refuse; this patch keeps verl's replay right once they build.
+tests_npu/patching/test_ascend_sim_router_replay.py executes all of it over MindSpeed's source.
 Upstream: verl 0.9.1 verl/utils/megatron/router_replay_patch.py::apply_router_replay_patch; MindSpeed core_r0.18.0
 mindspeed/features_manager/features_manager.py::MindSpeedFeaturesManager.apply_features_patches,
 mindspeed/patch_utils.py::Patch.apply_patch, features_manager/fusions/fused_moe_permute.py (preprocess),

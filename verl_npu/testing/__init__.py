@@ -1,7 +1,7 @@
 """Code that only the tests (tests_npu/) and the benchmarks (bench/) run: the declared place for it.
 
 Nothing in the rest of verl_npu imports this package, and it is the only part of verl_npu allowed to
-be imported by tests or benchmarks alone (tests_npu/test_repo_habits.py checks both):
+be imported by tests or benchmarks alone (tests_npu/repo/test_repo_habits.py checks both):
 
 * :mod:`verl_npu.testing.glm5_model` builds the GLM-5-shaped test model from the bridge's config
   mapping with its deliberate differences as named overrides;

@@ -6,7 +6,7 @@ RMSNorm. Weights are not loaded (random init): this is the engine's test model.
 
 Its TransformerConfig is the bridge's (verl_npu.models.glm5.config.glm5_config_fields on top of the
 model-shape fields mbridge's LLMBridge maps) with the differences below as named overrides, and
-nothing else (tests_npu/test_glm5_model.py compares it with GLM5Bridge's config field by field).
+nothing else (tests_npu/testing/test_glm5_model.py compares it with GLM5Bridge's config field by field).
 """
 
 from __future__ import annotations

@@ -16,7 +16,7 @@ keeps (which rank reads which tensor, the bridge's own name mapping and format h
 - A scatter over a group of one rank is a copy: it is skipped.
 
 Measured on the nvidia-h200 (docs/rl_step.md): mbridge's load of a 3.1 GB dense model took 3.8 s, 42% of that
-machine's disk rate. The loaded parameters are bit-identical to mbridge's (tests_npu/test_fast_load.py).
+machine's disk rate. The loaded parameters are bit-identical to mbridge's (tests_npu/engine/test_fast_load.py).
 
 Used for a bridge whose reader is mbridge's ``SafeTensorIO`` or one of this package's (verl_npu.engine.bridges); any
 other reader transforms what it reads in its own way, and that bridge keeps mbridge's loader.

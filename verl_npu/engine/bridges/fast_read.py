@@ -11,7 +11,7 @@ the device while the next are read (verl_npu/engine/bridges/fast_load.py).
 
 Every header is checked before a byte is trusted: its length, that it is JSON of tensor entries, a known dtype,
 offsets inside the file that match the shape and the dtype's size. A bad file is refused naming the file and the
-tensor. The values are the bytes on disk, exactly what ``safe_open`` gives (tests_npu/test_fast_load.py).
+tensor. The values are the bytes on disk, exactly what ``safe_open`` gives (tests_npu/engine/test_fast_load.py).
 
 :func:`prefetch` starts those per-tensor reads when the engine starts, so that the disk works while the model is
 built (verl_npu/engine/verl_engine.py); the load claims them, done or in flight, and reads nothing twice.

@@ -18,7 +18,7 @@ from typing import Any
 # The Kubernetes API the core objects are checked against: the strict schema rejects a field this
 # release does not have, so a manifest that validates also works on the newer clusters.
 KUBERNETES_VERSION = "1.33"
-# The kubernetes-validate release pinned in pyproject.toml's dev extras (tests_npu/test_k8s_render.py
+# The kubernetes-validate release pinned in pyproject.toml's dev extras (tests_npu/k8s/test_k8s_render.py
 # keeps the two equal and checks it is the one installed).
 KUBERNETES_VALIDATE_VERSION = "1.37.0"
 DEFINITIONS_URI = "https://kubernetes.io/api/_definitions.json"  # the $id of kubernetes-validate's definitions

@@ -9,12 +9,19 @@ import pytest
 from support.paths import REPO
 
 from verl_npu.stack import load_stack
-from verl_npu.stack.drift import find_drift, scanned_files
+from verl_npu.stack.drift import README_PAGES, SCANNED, find_drift, scanned_files
 
 
 def test_repository_has_no_drift():
     drifts = find_drift(load_stack(), REPO)
     assert not drifts, "files disagree with verl_npu/stack/stack.toml:\n" + "\n".join(map(str, drifts))
+
+
+def test_every_scanned_path_exists_and_readmes_detail_pages_are_scanned():
+    # a docs page renamed or a folder moved would otherwise drop out of the lint without a word
+    assert [entry for entry in SCANNED if not (REPO / entry).exists()] == []
+    scanned = {path.relative_to(REPO).as_posix() for path in scanned_files(REPO)}
+    assert set(README_PAGES) <= scanned and "README.md" in scanned and "CONTRIBUTING.md" in scanned
 
 
 def test_drift_lint_scans_the_files_people_copy_pins_from():

@@ -1,7 +1,7 @@
 """Drift lint: every version, tag, commit or image named outside the manifest must equal it.
 
-Scans the files people copy pins from (docker/, install.sh, ci/, examples/, README.md,
-pyproject.toml) and reports each reference that disagrees with verl_npu/stack/stack.toml.
+Scans the files people copy pins from (docker/, install.sh, ci/, examples/, README.md and the docs/ pages that hold its
+details, CONTRIBUTING.md, pyproject.toml) and reports each reference that disagrees with verl_npu/stack/stack.toml.
 
 It also reads the messages of verl_npu's own Python (``MESSAGES``): the string literals, docstrings
 included, of every module under verl_npu/. What counts there is a version stated in prose after the
@@ -26,7 +26,15 @@ from pathlib import Path
 
 from verl_npu.stack.manifest import Stack
 
-SCANNED = ("docker", "install.sh", "ci", "examples", "README.md", "pyproject.toml", ".ci")
+# README.md's details live in docs/ pages it links; those pages state versions as README did. (The other docs/ pages
+# quote upstream's own pins and older releases on purpose: docs/ascend_contracts.md, docs/upstream_facts.md.)
+README_PAGES = tuple(
+    f"docs/{page}.md"
+    for page in ("stack", "ascend_path", "runtime_layer", "engine", "kernels", "preflight", "glm5_2", "clusters",
+                 "layout", "rl_step", "parity")
+)  # fmt: skip
+SCANNED = ("docker", "install.sh", "ci", "examples", "README.md", "CONTRIBUTING.md", *README_PAGES, "pyproject.toml",
+           ".ci")  # fmt: skip
 MESSAGES = "verl_npu"  # Python under it: its string literals are read for stated versions
 _TEXT_SUFFIXES = {"", ".sh", ".md", ".toml", ".yaml", ".yml", ".json", ".txt", ".py", ".cfg", ".a2", ".a3"}
 _SHA_RE = re.compile(r"(?<![0-9a-fA-F])[0-9a-f]{40}(?![0-9a-fA-F])")

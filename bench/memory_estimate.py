@@ -43,10 +43,10 @@ from pathlib import Path
 
 import torch
 
+from verl_npu.parallelism import Parallelism
 from verl_npu.preflight.memory import (
     Activations,
     Offload,
-    Parallelism,
     Precision,
     estimate,
 )
@@ -300,7 +300,7 @@ def settings(cfg: dict, batch: dict, recompute: str | None, offload: bool):
     full = dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
     activations = Activations(**batch, attention_kernel="unfused", num_microbatches=1, **(full if recompute else {}))
     return ModelShape.from_dict(cfg), dict(
-        parallelism=Parallelism(),
+        parallelism=Parallelism(world=1),
         precision=Precision(),
         activations=activations,
         offload=Offload(param_offload=offload, optimizer_offload=offload),

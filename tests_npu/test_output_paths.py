@@ -384,7 +384,8 @@ def _preflight(option: str):
     def run(path, stock, patch, guard):
         import verl_npu.preflight as preflight
         from verl_npu.checks import OK, Check
-        from verl_npu.preflight.memory import GiB, Parallelism, estimate
+        from verl_npu.parallelism import Parallelism
+        from verl_npu.preflight.memory import GiB, estimate
         from verl_npu.preflight.model_shape import ModelShape
         from verl_npu.preflight.report import PreflightReport
 
@@ -392,7 +393,7 @@ def _preflight(option: str):
             shape = ModelShape.from_dict(dict(model_type="llama", vocab_size=1000, hidden_size=64,
                                               intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
                                               num_key_value_heads=2))  # fmt: skip
-            memory = estimate(shape, Parallelism(), capacity_bytes=64 * GiB, overhead_bytes=0)
+            memory = estimate(shape, Parallelism(world=1), capacity_bytes=64 * GiB, overhead_bytes=0)
             return PreflightReport("<overrides>", "a3", [Check("x.y", OK, "fine")], [], memory=memory)
 
         patch.setattr(preflight, "run_preflight", no_work("preflight") if guard else judged)

@@ -70,23 +70,24 @@ def test_the_issues_edge_case_is_refused_where_megatron_refuses_it():
 
 
 def test_every_reader_of_the_split_gives_the_same_answer():
-    from verl_npu.engine.build_plan import PipelineLayout, model_chunks
-    from verl_npu.preflight.memory import Parallelism
-    from verl_npu.preflight.mesh import TrainMesh, check_train_mesh
+    from verl_npu.engine.build_plan import model_chunks, pipeline_layout
+    from verl_npu.parallelism import Parallelism
+    from verl_npu.preflight.mesh import check_train_mesh
 
     def readers(num_layers: int, pp: int, first: int | None, last: int | None):
-        """The mesh check's, the memory model's and the build plan's split."""
-        mesh = TrainMesh("actor", pp, 1, pp, 1, 1, 1, False, first, last, None)
-        memory = Parallelism(pp=pp, num_layers_in_first_pipeline_stage=first, num_layers_in_last_pipeline_stage=last)
+        """The one record's split (the mesh check's, the memory model's) and the build plan's model chunks."""
+        record = Parallelism(world=pp, pp=pp, first_stage_layers=first, last_stage_layers=last)
+        otc = {"num_layers_in_first_pipeline_stage": first, "num_layers_in_last_pipeline_stage": last}
+        engine = {"pipeline_model_parallel_size": pp, "override_transformer_config": otc}
         return (
-            lambda: mesh.stage_layers(num_layers),
-            lambda: memory.layers_per_stage(num_layers),
-            lambda: [c.num_layers for c in model_chunks(num_layers, PipelineLayout(pp, None, first, last))],
+            lambda: record.stage_layers(num_layers),
+            lambda: [c.num_layers for c in model_chunks(num_layers, pipeline_layout(engine, num_layers))],
         )
 
-    assert [read() for read in readers(78, 8, 9, 9)] == [[9] + [10] * 6 + [9]] * 3
+    assert [read() for read in readers(78, 8, 9, 9)] == [[9] + [10] * 6 + [9]] * 2
     for read in readers(4, 3, 2, 2):  # the edge case three of four copies once split as [2, 0, 2]
         with pytest.raises(PipelineSplitError, match="do not split evenly"):
             read()
-    (check,) = check_train_mesh(TrainMesh("actor", 3, 1, 3, 1, 1, 1, False, 2, 2, None), 4, 0)
+    record = Parallelism(world=3, pp=3, first_stage_layers=2, last_stage_layers=2)
+    (check,) = check_train_mesh("actor", record, 4, 0)
     assert check.check == "mesh.actor-pp-layers" and check.status == "fail" and "do not split evenly" in check.detail

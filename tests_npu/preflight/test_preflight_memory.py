@@ -14,7 +14,8 @@ import pytest
 from support.paths import REPO
 
 from verl_npu.engine.host_arena import next_power_of_two, power_of_two_chunks
-from verl_npu.preflight.memory import Activations, GiB, Offload, Parallelism, Precision, estimate
+from verl_npu.parallelism import Parallelism, ParallelismError
+from verl_npu.preflight.memory import Activations, GiB, Offload, Precision, estimate, node_stages
 from verl_npu.preflight.model_shape import ModelShape
 
 COMMON = dict(vocab_size=101, hidden_size=64, intermediate_size=88, num_attention_heads=8, num_key_value_heads=2)
@@ -128,24 +129,24 @@ NO_OVERHEAD = dict(overhead_bytes=0)
 
 def test_hand_counted_static_state_and_distributed_optimizer_divides_by_dp():
     assert DENSE.total_params() == DENSE_PARAMS == 276_032
-    one = estimate(DENSE, Parallelism(), **NO_OVERHEAD).stages[0]
+    one = estimate(DENSE, Parallelism(world=1), **NO_OVERHEAD).stages[0]
     assert (one.train["weights"], one.train["grads"], one.train["optimizer"]) == (
         2 * DENSE_PARAMS,  # bf16
         4 * DENSE_PARAMS,  # fp32 grad buffer (grad_reduce_in_fp32)
         12 * DENSE_PARAMS,  # fp32 main params + exp_avg + exp_avg_sq
     )
-    four = estimate(DENSE, Parallelism(world_size=4), **NO_OVERHEAD).stages[0]
+    four = estimate(DENSE, Parallelism(world=4), **NO_OVERHEAD).stages[0]
     assert four.train["optimizer"] * 4 == one.train["optimizer"]
     assert four.train["weights"] == one.train["weights"] and four.train["grads"] == one.train["grads"]
-    cp = estimate(DENSE, Parallelism(cp=2, world_size=8), **NO_OVERHEAD).stages[0]  # shards over dp x cp = 8
+    cp = estimate(DENSE, Parallelism(world=8, cp=2), **NO_OVERHEAD).stages[0]  # shards over dp x cp = 8
     assert cp.train["optimizer"] * 8 == one.train["optimizer"]
-    plain = estimate(DENSE, Parallelism(world_size=4), Precision(use_distributed_optimizer=False)).stages[0]
+    plain = estimate(DENSE, Parallelism(world=4), Precision(use_distributed_optimizer=False)).stages[0]
     assert plain.train["optimizer"] == one.train["optimizer"]
 
 
 def test_experts_shard_over_ep_and_their_optimizer_over_expert_dp():
-    ep1 = estimate(TINY_MOE, Parallelism(world_size=4), **NO_OVERHEAD).stages[0]
-    ep2 = estimate(TINY_MOE, Parallelism(ep=2, world_size=4), **NO_OVERHEAD).stages[0]
+    ep1 = estimate(TINY_MOE, Parallelism(world=4), **NO_OVERHEAD).stages[0]
+    ep2 = estimate(TINY_MOE, Parallelism(world=4, ep=2), **NO_OVERHEAD).stages[0]
     experts = sum(TINY_MOE.layer_params(i).expert for i in range(TINY_MOE.num_layers))
     assert experts == 6 * 3 * 64 * 24
     assert ep1.params - ep2.params == experts // 2
@@ -154,8 +155,8 @@ def test_experts_shard_over_ep_and_their_optimizer_over_expert_dp():
     # dense state over dp = 4; expert state over expert-dp = world / (pp * ep * etp): 4 with ep=1, 2 with ep=2
     assert ep1.train["optimizer"] == 12 * dense // 4 + 12 * experts // 4
     assert ep2.train["optimizer"] == 12 * dense // 4 + 12 * (experts // 2) // 2
-    with pytest.raises(ValueError, match="experts do not divide"):
-        estimate(TINY_MOE, Parallelism(ep=4, world_size=4))
+    with pytest.raises(ValueError, match="EP 4 does not divide the model's 6 routed experts"):
+        estimate(TINY_MOE, Parallelism(world=4, ep=4))
 
 
 def test_precision_aware_optimizer_bf16_moments_halve_moment_bytes():
@@ -217,7 +218,6 @@ def launch_estimate(optim: dict, platform: str = "ascend", **megatron):
     """preflight's memory estimate of a one-device launch of DENSE, through the actor's build plan on ``platform``."""
     from verl_npu.engine.build_plan import build_plan
     from verl_npu.preflight.memory_plan import estimate_launch
-    from verl_npu.preflight.mesh import TrainMesh
     from verl_npu.preflight.target import target
     from verl_npu.preflight.values import read_launch
 
@@ -238,7 +238,7 @@ def launch_estimate(optim: dict, platform: str = "ascend", **megatron):
     }
     values, checks = read_launch(config)  # the typed view preflight's steps read
     assert values is not None, checks
-    mesh = TrainMesh("actor", 1, 1, 1, 1, 1, 1, False, None, None, None)
+    mesh = Parallelism(world=1)
     plan = build_plan(megatron, optim, {"rms_norm_eps": 1e-6}, platform)
     return estimate_launch(values, DENSE, mesh, plan, target("a3", platform))[0]
 
@@ -266,9 +266,9 @@ def test_the_launch_estimate_counts_each_moment_dtype_spelling_the_build_plan_ac
 
 def test_host_ram_per_node_sums_the_ranks_of_two_stages():
     # tp=2 pp=4 on 8 ranks, 4 devices a node: node 0 holds ranks 0-3 = stages 0 and 1, node 1 stages 2 and 3
-    par = Parallelism(tp=2, pp=4, devices_per_node=4, num_layers_in_first_pipeline_stage=1)
-    assert par.layers_per_stage(4) == [1, 1, 1, 1] and par.node_stages() == [(0, 1), (2, 3)]
-    result = estimate(DENSE, par, offload=Offload(param_offload=True, optimizer_offload=True))
+    par = Parallelism(world=8, tp=2, pp=4, first_stage_layers=1)
+    assert par.stage_layers(4) == [1, 1, 1, 1] and node_stages(par, devices_per_node=4) == [(0, 1), (2, 3)]
+    result = estimate(DENSE, par, offload=Offload(param_offload=True, optimizer_offload=True), devices_per_node=4)
     host = [s.host_bytes for s in result.stages]
     assert host[0] != host[1]  # the first stage also holds the embedding
     assert result.host_bytes_per_node == max(2 * host[0] + 2 * host[1], 2 * host[2] + 2 * host[3])
@@ -276,19 +276,19 @@ def test_host_ram_per_node_sums_the_ranks_of_two_stages():
 
 
 def test_uneven_pipeline_stages_and_invalid_meshes():
-    par = Parallelism(tp=2, pp=8, num_layers_in_first_pipeline_stage=9, num_layers_in_last_pipeline_stage=9)
-    assert par.layers_per_stage(78) == [9] + [10] * 6 + [9]
+    par = Parallelism(world=16, tp=2, pp=8, first_stage_layers=9, last_stage_layers=9)
+    assert par.stage_layers(78) == [9] + [10] * 6 + [9]
     with pytest.raises(ValueError, match="do not split"):
-        Parallelism(pp=3).layers_per_stage(4)
-    with pytest.raises(ValueError, match="divisible"):
-        Parallelism(tp=2, ep=3, world_size=4)
+        Parallelism(world=3, pp=3).stage_layers(4)
+    with pytest.raises(ParallelismError, match="world size 4 is not divisible by PP 1 x EP 3 x ETP 1 = 3") as error:
+        estimate(DENSE, Parallelism(world=4, tp=2, ep=3))
+    assert [p.check for p in error.value.problems] == ["ep", "ep-dense"]
 
 
 # --- GLM-5 on 32 A3 nodes (the public layout) -------------------------------------------------------
 GLM5_MESH = Parallelism(
-    tp=2, pp=8, cp=4, ep=64, etp=1, world_size=512, sequence_parallel=True, devices_per_node=16,
-    num_layers_in_first_pipeline_stage=9, num_layers_in_last_pipeline_stage=9,
-)  # fmt: skip
+    world=512, tp=2, pp=8, cp=4, ep=64, etp=1, sequence_parallel=True, first_stage_layers=9, last_stage_layers=9
+)
 GLM5_ACTS = Activations(
     micro_batch_size=1, seq_len=32768, recompute_granularity="full", recompute_method="uniform",
     recompute_num_layers=1, attention_kernel="flash",
@@ -339,7 +339,7 @@ def test_dsa_attention_holds_no_s_by_s_buffer_on_either_verl_npu_path():
 
     def activations(seq_len, **kw):
         act = Activations(seq_len=seq_len, num_microbatches=1, **kw)
-        return estimate(glm5, Parallelism(tp=8, pp=13, ep=8), activations=act).stages[1].train["activations"]
+        return estimate(glm5, Parallelism(world=104, tp=8, pp=13, ep=8), activations=act).stages[1].train["activations"]
 
     for kernel in ("fused", "chunked"):
         for attention in ("flash", "unfused"):  # DotProductAttention's kernel does not apply to DSA layers
@@ -409,8 +409,9 @@ def test_a_shared_layer_saves_neither_indexer_activations_nor_a_top_k():
     indexer = (2 * n * d + 2 * 2 * d + 4 + 2 * n) * 8192  # q, k (+ LayerNorm), head weights
     topk = 8 * 8192 * 2048  # int64 [b, s/cp, min(index_topk, seq)]
     assert full[0] - shared[0] == indexer + topk
-    stage = estimate(glm52, Parallelism(tp=8, pp=13, ep=8), activations=act).stages[1]
-    glm5_stage = estimate(ModelShape.from_hf("glm5"), Parallelism(tp=8, pp=13, ep=8), activations=act).stages[1]
+    mesh = Parallelism(world=104, tp=8, pp=13, ep=8)
+    stage = estimate(glm52, mesh, activations=act).stages[1]
+    glm5_stage = estimate(ModelShape.from_hf("glm5"), mesh, activations=act).stages[1]
     assert stage.train["activations"] < glm5_stage.train["activations"]
 
 
@@ -482,7 +483,6 @@ def test_without_full_recompute_only_the_received_top_k_is_extra_and_one_micro_b
     assert single.stages[0].train["carry"] == 2 * topk  # min(PP - p, micro-batches) = 1
     # no carry on a model without IndexShare layers, nor on an interleaved layout (refused where it would carry)
     assert estimate(DENSE).stages[0].index_share is None and estimate(DENSE).stages[0].train["carry"] == 0
-    vpp = dataclasses.replace(GLM5_MESH, vpp=2, num_layers_in_first_pipeline_stage=10,
-                              num_layers_in_last_pipeline_stage=8)  # fmt: skip
+    vpp = dataclasses.replace(GLM5_MESH, vpp=2, first_stage_layers=10, last_stage_layers=8)
     interleaved = _glm52(GLM5_ACTS, vpp)
     assert not any(s.index_share.receives or s.index_share.sends for s in interleaved.stages)

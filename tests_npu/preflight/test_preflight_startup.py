@@ -21,8 +21,8 @@ from support.paths import REPO
 
 from verl_npu.checks import FAIL, OK, WARN
 from verl_npu.inputs import InputError
+from verl_npu.parallelism import Parallelism
 from verl_npu.preflight import run_preflight
-from verl_npu.preflight.mesh import TrainMesh
 from verl_npu.preflight.model_shape import ModelShape
 from verl_npu.preflight.startup import (
     ENGINE_SHARE_OF_DISK_RATE,
@@ -55,7 +55,9 @@ EMBEDDING_PARAMS = 1000 * 64
 
 
 def mesh(world: int, tp: int = 1, pp: int = 1, ep: int = 1, etp: int | None = None, first=None, last=None):
-    return TrainMesh("actor", world, tp, pp, 1, ep, etp or tp, False, first, last, None)
+    return Parallelism(
+        world=world, tp=tp, pp=pp, ep=ep, etp=etp or tp, first_stage_layers=first, last_stage_layers=last
+    )
 
 
 @pytest.fixture(scope="module")
@@ -68,9 +70,11 @@ def glm52() -> ModelShape:
     return ModelShape.from_hf(str(EXAMPLE / "config.json"))
 
 
-def glm52_mesh() -> TrainMesh:
+def glm52_mesh() -> Parallelism:
     """The example's actor: TP 2, PP 8 (9 / 10 x 6 / 9 layers), CP 4, EP 64, ETP 1 on 32 nodes x 16."""
-    return TrainMesh("actor", 512, 2, 8, 4, 64, 1, True, 9, 9, None)
+    return Parallelism(
+        world=512, tp=2, pp=8, cp=4, ep=64, etp=1, sequence_parallel=True, first_stage_layers=9, last_stage_layers=9
+    )
 
 
 # --- bytes each node reads -----------------------------------------------------------------------------------

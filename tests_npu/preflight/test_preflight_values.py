@@ -92,7 +92,7 @@ ACTOR_MCORE = "actor_rollout_ref__actor__megatron"
 def test_the_composed_launch_reads_into_a_typed_view(megatron_config):
     values, checks = read_launch(megatron_config)
     assert checks == [] and values is not None
-    assert (values.world, values.actor.tp, values.actor.etp, values.rollout.tp) == (8, 2, 2, 2)
+    assert (values.world, values.actor.parallelism.tp, values.actor.parallelism.etp, values.rollout.tp) == (8, 2, 2, 2)
     assert values.strategy == "megatron" and values.ref is not None and values.critic is None
     checks, mesh = check_mesh(values, num_layers=4, num_experts=0)
     assert mesh is not None and mesh.dp == 4 and all(c.status == OK for c in checks), checks
@@ -154,7 +154,8 @@ def test_every_bad_value_of_a_launch_is_reported_at_once(megatron_config):
 
 def test_an_optional_section_deleted_with_tilde_reads_as_its_defaults(megatron_config):
     values, checks = read_launch(edited(megatron_config, **{f"{ACTOR_MCORE}__override_transformer_config": DELETE}))
-    assert checks == [] and values.actor.recompute_granularity is None and values.actor.first_stage_layers is None
+    assert checks == [] and values.actor.recompute_granularity is None
+    assert values.actor.parallelism.first_stage_layers is None
 
 
 def test_a_section_that_is_not_a_mapping_is_named(megatron_config):

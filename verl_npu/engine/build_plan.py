@@ -5,11 +5,11 @@ TransformerConfig and DDP overrides that implement them, and the MindSpeed ``rep
 Ascend. Every invalid combination raises :class:`BuildPlanError` naming the keys, the rule and a
 valid alternative. Preflight (launch checking) runs the same function.
 
-The pipeline layout (PP, VPP, the first/last stage's layer counts) comes from the engine config
-(``pipeline_model_parallel_size``, ``virtual_pipeline_model_parallel_size``, and
-``override_transformer_config``'s ``num_layers_in_first/last_pipeline_stage`` and
-``num_layers_per_virtual_pipeline_stage``): GLM-5.2's IndexShare layers need it to know which
-model chunks start on a shared layer (:func:`model_chunks`).
+The engine config's parallel sizes are read once, into the record preflight reads too
+(:class:`verl_npu.parallelism.Parallelism`, :func:`engine_parallelism`): TP and CP for the fused DSA
+and MindSpeed's arguments, and the pipeline layout (PP, VPP, the first/last stage's layer counts, and
+``override_transformer_config.num_layers_per_virtual_pipeline_stage``): GLM-5.2's IndexShare layers
+need it to know which model chunks start on a shared layer (:func:`model_chunks`).
 """
 
 from __future__ import annotations
@@ -30,6 +30,7 @@ from verl_npu.errors import UserError
 from verl_npu.models import family as model_family
 from verl_npu.models.family import FULL, SHARED
 from verl_npu.ops import fused_dsa_rules
+from verl_npu.parallelism import Parallelism
 from verl_npu.pipeline_split import stage_layers
 
 OTC = "override_transformer_config"
@@ -89,19 +90,42 @@ class PipelineLayout:
         return text + (f" ({', '.join(ends)})" if ends else "")
 
 
+def engine_parallelism(engine_config: Any) -> Parallelism:
+    """The sizes verl's engine config asks megatron for, read once per plan. The plan is a function of the configs
+    alone, so the record has no world size (its data-parallel sizes are the launch's: preflight's mesh check)."""
+    otc = _get(engine_config, OTC) or {}
+    tp = int(_get(engine_config, "tensor_model_parallel_size", 1) or 1)
+    etp = _get(engine_config, "expert_tensor_parallel_size")
+    vpp = _get(engine_config, "virtual_pipeline_model_parallel_size")
+    return Parallelism(
+        world=None,
+        tp=tp,
+        pp=int(_get(engine_config, "pipeline_model_parallel_size", 1) or 1),
+        cp=int(_get(engine_config, "context_parallel_size", 1) or 1),
+        ep=int(_get(engine_config, "expert_model_parallel_size", 1) or 1),
+        etp=int(etp) if etp is not None else tp,  # megatron-core's default: TP
+        sequence_parallel=bool(_get(engine_config, "sequence_parallel", False)),
+        vpp=int(vpp) if vpp is not None else None,
+        first_stage_layers=otc.get("num_layers_in_first_pipeline_stage"),
+        last_stage_layers=otc.get("num_layers_in_last_pipeline_stage"),
+    )
+
+
 def pipeline_layout(engine_config: Any, num_layers: int | None = None) -> PipelineLayout:
     """The pipeline layout verl's engine config asks megatron for (see the module docstring)."""
-    otc = _get(engine_config, OTC) or {}
-    pp = int(_get(engine_config, "pipeline_model_parallel_size", 1) or 1)
-    first, last = otc.get("num_layers_in_first_pipeline_stage"), otc.get("num_layers_in_last_pipeline_stage")
-    vpp = _get(engine_config, "virtual_pipeline_model_parallel_size")
-    per_chunk = otc.get("num_layers_per_virtual_pipeline_stage")
+    per_chunk = (_get(engine_config, OTC) or {}).get("num_layers_per_virtual_pipeline_stage")
+    return layout_of(engine_parallelism(engine_config), per_chunk, num_layers)
+
+
+def layout_of(sizes: Parallelism, per_chunk: int | None, num_layers: int | None = None) -> PipelineLayout:
+    """``sizes``' pipeline, its VPP derived from ``num_layers_per_virtual_pipeline_stage`` (``per_chunk``) where only
+    that is set, as Megatron-LM derives it: a (middle) stage's layers over the layers of one chunk."""
+    pp, first, last, vpp = sizes.pp, sizes.first_stage_layers, sizes.last_stage_layers, sizes.vpp
     if vpp is None and per_chunk and num_layers and pp > 1:
-        # Megatron-LM derives VPP from it: a (middle) stage's layers over the layers of one chunk
         middle = pp - (first is not None) - (last is not None)
         rest = num_layers - (first or 0) - (last or 0)
         vpp = max((rest // middle if middle else first or 0) // int(per_chunk), 1)
-    return PipelineLayout(pp, int(vpp) if vpp is not None else None, first, last)
+    return PipelineLayout(pp, vpp, first, last)
 
 
 def model_chunks(num_layers: int, layout: PipelineLayout) -> list[ModelChunk]:
@@ -207,11 +231,15 @@ def build_plan(engine_config: Any, optimizer_config: Any, hf_config: Any, platfo
             "set actor_rollout_ref.actor.megatron.vanilla_mbridge=True (and ref/critic alike)",
         )
     otc = dict(_get(engine_config, OTC) or {})
-    plan = _Draft(platform=platform, tf={k: v for k, v in otc.items() if k not in MINDSPEED_ONLY_KEYS})
+    plan = _Draft(
+        platform=platform,
+        tf={k: v for k, v in otc.items() if k not in MINDSPEED_ONLY_KEYS},
+        parallelism=engine_parallelism(engine_config),
+    )
     _rmsnorm(plan, problems, otc, hf_config)
     _grouped_experts(plan, problems, otc)
     _dsa(plan, problems, otc, engine_config, hf_config)
-    _index_share(plan, problems, engine_config, hf_config)
+    _index_share(plan, problems, otc, hf_config)
     _offload_and_optimizer(plan, problems, engine_config, optimizer_config)
     _router_replay(plan, problems, otc, engine_config)
     _mindspeed_moe(plan, problems, otc)
@@ -223,7 +251,7 @@ def build_plan(engine_config: Any, optimizer_config: Any, hf_config: Any, platfo
         features=tuple(plan.features),
         transformer_overrides=plan.tf,
         ddp_overrides=plan.ddp,
-        mindspeed_repatch=_mindspeed_repatch(plan, otc, engine_config) if platform == "ascend" else None,
+        mindspeed_repatch=_mindspeed_repatch(plan, otc) if platform == "ascend" else None,
         rmsnorm_impl=plan.rmsnorm_impl,
         notes=tuple(plan.notes),
         warnings=tuple(plan.warnings),
@@ -235,6 +263,7 @@ def build_plan(engine_config: Any, optimizer_config: Any, hf_config: Any, platfo
 class _Draft:
     platform: str
     tf: dict[str, Any]
+    parallelism: Parallelism  # the engine config's sizes, read once (engine_parallelism)
     ddp: dict[str, Any] = dataclasses.field(default_factory=dict)
     features: list[str] = dataclasses.field(default_factory=list)
     notes: list[str] = dataclasses.field(default_factory=list)
@@ -243,7 +272,7 @@ class _Draft:
     optimizer_dtypes: dict[str, str] = dataclasses.field(default_factory=dict)
 
 
-def _mindspeed_repatch(plan: _Draft, otc: Mapping[str, Any], engine_config: Any) -> dict[str, Any]:
+def _mindspeed_repatch(plan: _Draft, otc: Mapping[str, Any]) -> dict[str, Any]:
     """What MindSpeed's ``repatch`` gets: the whole override_transformer_config, as upstream verl passes it.
 
     MindSpeed's features decide from these args whether to apply (its DSA feature reads
@@ -251,7 +280,7 @@ def _mindspeed_repatch(plan: _Draft, otc: Mapping[str, Any], engine_config: Any)
     context_parallel_size without a default (verl_npu/contracts/mindspeed.py), so both always go.
     """
     repatch = {**plan.tf, **{k: otc[k] for k in MINDSPEED_ONLY_KEYS if k in otc}}
-    repatch["context_parallel_size"] = int(_get(engine_config, "context_parallel_size", 1) or 1)
+    repatch["context_parallel_size"] = plan.parallelism.cp
     repatch.setdefault("use_flash_attn", True)
     return repatch
 
@@ -322,7 +351,7 @@ def _dsa(plan: _Draft, problems: _Problems, otc: Mapping[str, Any], engine_confi
     ):
         if ours not in plan.tf and _get(hf_config, theirs) is not None:
             plan.tf[ours] = _get(hf_config, theirs)
-    _dsa_context_parallel(plan, problems, otc, engine_config)
+    _dsa_context_parallel(plan, problems, otc)
     if not switches:
         return
     if len(switches) < len(DSA_SWITCHES):
@@ -342,7 +371,7 @@ def _dsa(plan: _Draft, problems: _Problems, otc: Mapping[str, Any], engine_confi
         )
         return
     before = len(problems)
-    _fused_dsa_shapes(problems, plan.tf, engine_config, hf_config)
+    _fused_dsa_shapes(problems, plan.tf, plan.parallelism.tp, hf_config)
     if len(problems) > before:
         return
     plan.features += ["dsa_absorbed_mla", "dsa_fused_operators"]
@@ -462,7 +491,7 @@ def _mindspeed_moe(plan: _Draft, problems: _Problems, otc: Mapping[str, Any]) ->
         )
 
 
-def _index_share(plan: _Draft, problems: _Problems, engine_config: Any, hf_config: Any) -> None:
+def _index_share(plan: _Draft, problems: _Problems, otc: Mapping[str, Any], hf_config: Any) -> None:
     """GLM-5.2's shared DSA layers: a model whose first layer is shared, and pipelines the top-k carry cannot serve.
 
     A shared layer reuses the top-k of the most recent full layer (verl_npu.engine.index_share); a pipeline
@@ -481,7 +510,8 @@ def _index_share(plan: _Draft, problems: _Problems, engine_config: Any, hf_confi
     if kinds is None or SHARED not in kinds:
         return
     plan.features.append("dsa_index_share")
-    layout = pipeline_layout(engine_config, len(kinds))
+    per_chunk = otc.get("num_layers_per_virtual_pipeline_stage")
+    layout = layout_of(plan.parallelism, per_chunk, len(kinds))
     try:
         chunks = model_chunks(len(kinds), layout)
     except ValueError:
@@ -509,10 +539,9 @@ def _index_share(plan: _Draft, problems: _Problems, engine_config: Any, hf_confi
                 alternative += f", and stage{'s' * (len(carried) > 1)} {', '.join(carried)} receive"
                 alternative += "s" * (len(carried) == 1) + " the top-k from the stage before"
         where = "; ".join(f"{c.name} ({c.layers}) starts on shared layer {c.first_layer}" for c in receiving)
-        per_chunk = (_get(engine_config, OTC) or {}).get("num_layers_per_virtual_pipeline_stage")
         setting = (
             f"virtual_pipeline_model_parallel_size={layout.vpp}"
-            if _get(engine_config, "virtual_pipeline_model_parallel_size") is not None
+            if plan.parallelism.vpp is not None
             else f"{OTC}.num_layers_per_virtual_pipeline_stage={per_chunk}"
         )
         problems.add(
@@ -535,8 +564,8 @@ def _index_share(plan: _Draft, problems: _Problems, engine_config: Any, hf_confi
     )
 
 
-def _dsa_context_parallel(plan: _Draft, problems: _Problems, otc: Mapping[str, Any], engine_config: Any) -> None:
-    cp = int(_get(engine_config, "context_parallel_size", 1) or 1)
+def _dsa_context_parallel(plan: _Draft, problems: _Problems, otc: Mapping[str, Any]) -> None:
+    cp = plan.parallelism.cp
     if cp <= 1:
         return
     if plan.platform != "ascend":
@@ -560,7 +589,7 @@ def _dsa_context_parallel(plan: _Draft, problems: _Problems, otc: Mapping[str, A
         )
 
 
-def _fused_dsa_shapes(problems: _Problems, tf: Mapping[str, Any], engine_config: Any, hf_config: Any) -> None:
+def _fused_dsa_shapes(problems: _Problems, tf: Mapping[str, Any], tp: int, hf_config: Any) -> None:
     """The fused operators' input rules, checked on the model before a node finds them."""
     switches = f"{OTC}.{DSA_ABSORB} and the fused DSA operators"
     drop = f"drop the four DSA switches ({', '.join(DSA_SWITCHES)}); verl-npu's portable DSA path takes any shape"
@@ -572,7 +601,7 @@ def _fused_dsa_shapes(problems: _Problems, tf: Mapping[str, Any], engine_config:
             f"{fused_dsa_rules.ROPE_DIM} rope channels",
             drop,
         )
-    heads, tp = _get(hf_config, "num_attention_heads"), int(_get(engine_config, "tensor_model_parallel_size", 1) or 1)
+    heads = _get(hf_config, "num_attention_heads")
     if heads not in fused_dsa_rules.KL_QUERY_HEADS:
         problems.add(
             f"{switches} with num_attention_heads={heads}",

@@ -81,64 +81,20 @@ from verl_npu.dtypes import parse as _dtype
 from verl_npu.engine.build_plan import PLATFORMS
 from verl_npu.engine.host_arena import default_strategy
 from verl_npu.engine.host_arena import host_bytes as arena_host_bytes
-from verl_npu.pipeline_split import stage_layers
+from verl_npu.parallelism import Parallelism
 from verl_npu.preflight.model_shape import ModelShape
 
 GiB = 2**30
 
 
-@dataclasses.dataclass(frozen=True)
-class Parallelism:
-    tp: int = 1
-    pp: int = 1
-    cp: int = 1
-    ep: int = 1
-    etp: int = 1
-    world_size: int | None = None  # None: tp * pp * cp (one data-parallel replica)
-    sequence_parallel: bool = False
-    vpp: int | None = None
-    num_layers_in_first_pipeline_stage: int | None = None
-    num_layers_in_last_pipeline_stage: int | None = None
-    devices_per_node: int = 16
-    mla_down_proj_duplicated: bool = True  # TE spec: MLA q/kv down projections are not TP-split
+def node_ranks(world: int, devices_per_node: int) -> list[range]:
+    """The global ranks of each node (devices_per_node consecutive ranks)."""
+    return [range(n, min(n + devices_per_node, world)) for n in range(0, world, devices_per_node)]
 
-    def __post_init__(self):
-        world = self.world
-        if world % (self.tp * self.pp * self.cp) or world % (self.pp * self.ep * self.etp):
-            raise ValueError(f"world size {world} is not divisible by tp*pp*cp and by pp*ep*etp")
 
-    @property
-    def world(self) -> int:
-        return self.world_size or self.tp * self.pp * self.cp
-
-    @property
-    def dp(self) -> int:
-        return self.world // (self.tp * self.pp * self.cp)
-
-    @property
-    def edp(self) -> int:
-        """Expert data parallel size: world / (pp * ep * etp)."""
-        return self.world // (self.pp * self.ep * self.etp)
-
-    def layers_per_stage(self, num_layers: int) -> list[int]:
-        """megatron's split (verl_npu.pipeline_split); PipelineSplitError (a ValueError) where it has none."""
-        return stage_layers(
-            num_layers, self.pp, self.num_layers_in_first_pipeline_stage, self.num_layers_in_last_pipeline_stage,
-            self.vpp,
-        )  # fmt: skip
-
-    def stage_of_rank(self, rank: int) -> int:
-        """Megatron's default rank order "tp-cp-ep-dp-pp": pp is outermost."""
-        return rank // (self.world // self.pp)
-
-    def node_ranks(self) -> list[range]:
-        """The global ranks of each node (devices_per_node consecutive ranks)."""
-        per_node = self.devices_per_node
-        return [range(n, min(n + per_node, self.world)) for n in range(0, self.world, per_node)]
-
-    def node_stages(self) -> list[tuple[int, ...]]:
-        """The pipeline stages whose ranks each node holds."""
-        return [tuple(sorted({self.stage_of_rank(r) for r in ranks})) for ranks in self.node_ranks()]
+def node_stages(p: Parallelism, devices_per_node: int) -> list[tuple[int, ...]]:
+    """The pipeline stages whose ranks each node holds."""
+    return [tuple(sorted({p.stage_of_rank(r) for r in ranks})) for ranks in node_ranks(p.devices, devices_per_node)]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -538,10 +494,10 @@ def _mlp(m: ModelShape, z: _Sizes, moe: bool) -> float:
     return saved + ffn * m.shared_expert_ffn_hidden_size / t * tokens
 
 
-def _sizes(p: Parallelism, act: Activations) -> _Sizes:
+def _sizes(p: Parallelism, act: Activations, mla_down_proj_duplicated: bool = True) -> _Sizes:
     return _Sizes(
         s=act.seq_len // p.cp, b=act.micro_batch_size, t=p.tp, sp=p.tp if p.sequence_parallel else 1, etp=p.etp,
-        down=1 if p.mla_down_proj_duplicated else p.tp, seq=act.seq_len,
+        down=1 if mla_down_proj_duplicated else p.tp, seq=act.seq_len,
     )  # fmt: skip
 
 
@@ -550,9 +506,11 @@ def _in_flight(p: Parallelism, act: Activations, stage: int) -> int:
     return min(p.pp - stage, act.num_microbatches or p.pp)
 
 
-def _activation_bytes(m, p: Parallelism, act: Activations, stage: int, layers: list[int]) -> tuple[int, int, str]:
+def _activation_bytes(
+    m, p: Parallelism, act: Activations, stage: int, layers: list[int], mla_down_proj_duplicated: bool
+) -> tuple[int, int, str]:
     """(peak activation bytes, persistent workspace bytes, details) of one pipeline stage."""
-    z = _sizes(p, act)
+    z = _sizes(p, act, mla_down_proj_duplicated)
     tokens, h = z.s * z.b, m.hidden_size
     # each layer's attention: with or without its own DSA indexer (IndexShare's shared layers have none)
     kinds = [not m.dsa or m.full_indexer(i) for i in layers]
@@ -668,12 +626,18 @@ def estimate(
     host_capacity_bytes: int | None = None,
     platform: str = "ascend",
     rollout_host_bytes_per_node: int = 0,
+    devices_per_node: int = 16,
+    mla_down_proj_duplicated: bool = True,
 ) -> MemoryEstimate:
     """``platform`` ("ascend", "cuda" or "cpu") decides how much host RAM an offload arena takes;
-    ``rollout_host_bytes_per_node``: the rollout's sleep-mode copies on every node (verl_npu.preflight.rollout)."""
+    ``rollout_host_bytes_per_node``: the rollout's sleep-mode copies on every node (verl_npu.preflight.rollout);
+    ``devices_per_node``: the ranks of one node (host RAM is per node); ``mla_down_proj_duplicated``: the TE spec's
+    MLA q/kv down projections, replicated over TP (False: the local spec's, TP-split).
+
+    ``parallelism`` defaults to one device; sizes megatron would refuse raise ParallelismError (a ValueError)."""
     if platform not in PLATFORMS:
         raise ValueError(f"platform {platform!r}: use one of {', '.join(PLATFORMS)}")
-    p, prec = parallelism or Parallelism(), precision or Precision()
+    p, prec = parallelism or Parallelism(world=1), precision or Precision()
     act, off = activations or Activations(), offload or Offload()
     if act.attention_kernel not in ("flash", "unfused"):
         raise ValueError(f"attention_kernel {act.attention_kernel!r}: use 'flash' or 'unfused'")
@@ -681,13 +645,12 @@ def estimate(
         raise ValueError(f"dsa_kernel {act.dsa_kernel!r}: use 'fused' or 'chunked'")
     if act.recompute_granularity not in (None, "selective", "full"):
         raise ValueError(f"recompute_granularity {act.recompute_granularity!r}: use None, 'selective' or 'full'")
-    if shape.num_experts and shape.num_experts % p.ep:
-        raise ValueError(f"{shape.num_experts} experts do not divide over ep={p.ep}")
-    counts = p.layers_per_stage(shape.num_layers)
+    p.validate(shape.num_layers, shape.num_experts)
+    counts = p.stage_layers(shape.num_layers)
     optim = prec.optimizer_bytes_per_param()
     w_bytes, g_bytes = _bytes(prec.params_dtype), _bytes(prec.grad_dtype)
     dense_shard = p.dp * p.cp if prec.use_distributed_optimizer else 1
-    expert_shard = p.edp if prec.use_distributed_optimizer else 1
+    expert_shard = p.expert_dp if prec.use_distributed_optimizer else 1
     stages, start = [], 0
     for stage, n in enumerate(counts):
         layers = list(range(start, start + n))
@@ -696,7 +659,7 @@ def estimate(
         for i in layers:
             lp = shape.layer_params(i)
             down = 0
-            if shape.mla and not p.mla_down_proj_duplicated:  # local spec: down projections TP-split
+            if shape.mla and not mla_down_proj_duplicated:  # local spec: down projections TP-split
                 down = shape.hidden_size * ((shape.q_lora_rank or 0) + shape.kv_lora_rank + shape.qk_rope_head_dim)
             dense += (lp.tp + down) / p.tp + lp.replicated - down
             expert += lp.expert / (p.ep * p.etp)
@@ -710,7 +673,7 @@ def estimate(
         params = dense + expert
         opt_bytes = sum(nb for _, nb in optim.values())
         optimizer = int(dense * opt_bytes / dense_shard + expert * opt_bytes / expert_shard)
-        acts, workspace, act_details = _activation_bytes(shape, p, act, stage, layers)
+        acts, workspace, act_details = _activation_bytes(shape, p, act, stage, layers, mla_down_proj_duplicated)
         share = _index_share(shape, p, act, stage, layers, counts)
         train = {
             "weights": params * w_bytes,
@@ -749,7 +712,8 @@ def estimate(
         }
         moe_layers = sum(1 for i in layers if shape.is_moe and shape.is_moe[i])
         stages.append(StageEstimate(stage, n, moe_layers, params, train, floor, host, details, share))
-    per_node = [sum(stages[p.stage_of_rank(r)].host_bytes for r in ranks) for ranks in p.node_ranks()]
+    nodes = node_ranks(p.devices, devices_per_node)
+    per_node = [sum(stages[p.stage_of_rank(r)].host_bytes for r in ranks) for ranks in nodes]
     worst = max(range(len(per_node)), key=per_node.__getitem__)
     reserved = int((rollout_gpu_memory_utilization or 0) * (capacity_bytes or 0))
     return MemoryEstimate(
@@ -758,7 +722,7 @@ def estimate(
         rollout_reserved_bytes=reserved,
         host_bytes_per_node=per_node[worst],
         worst_node=worst,
-        worst_node_stages=p.node_stages()[worst],
+        worst_node_stages=node_stages(p, devices_per_node)[worst],
         host_capacity_bytes=host_capacity_bytes,
         platform=platform,
         rollout_host_bytes_per_node=rollout_host_bytes_per_node,

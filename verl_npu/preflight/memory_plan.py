@@ -17,17 +17,16 @@ from typing import TYPE_CHECKING, Any
 
 from verl_npu.checks import FAIL, OK, WARN, Check
 from verl_npu.inputs import MAX_BATCH, MAX_PARALLEL
+from verl_npu.parallelism import Parallelism
 from verl_npu.preflight.memory import (
     Activations,
     GiB,
     MemoryEstimate,
     Offload,
-    Parallelism,
     Precision,
     ReplayRoutes,
     estimate,
 )
-from verl_npu.preflight.mesh import TrainMesh
 from verl_npu.preflight.model_shape import ModelShape
 from verl_npu.preflight.target import Target
 from verl_npu.preflight.values import ROLLOUT, LaunchValues, MegatronRole, Reader
@@ -39,7 +38,7 @@ if TYPE_CHECKING:
 def estimate_launch(
     values: LaunchValues,
     shape: ModelShape,
-    mesh: TrainMesh,
+    mesh: Parallelism,
     plan: BuildPlan,
     target: Target,
     host_memory_gib: float | None = None,
@@ -48,7 +47,8 @@ def estimate_launch(
 ) -> tuple[MemoryEstimate, list[Check]]:
     """The actor's memory on ``target``, built the way ``plan`` (the actor's build plan) says.
 
-    ``values`` is the launch's typed view (a Megatron actor); ``host_memory_gib``: host RAM per node (None: not
+    ``values`` is the launch's typed view (a Megatron actor), ``mesh`` the actor's parallelism (the mesh check
+    passed it); ``host_memory_gib``: host RAM per node (None: not
     checked; a given value is > 0, as the CLI and run_preflight parse it); ``rollout_host_bytes_per_node``: the
     rollout's sleep-mode weight copies on every node (verl_npu.preflight.rollout); ``config``: the resolved verl
     config, for the routing replay routes kept with the batch (:func:`replay_routes`; None: not counted).
@@ -60,7 +60,7 @@ def estimate_launch(
     colocated = values.hybrid_engine
     result = estimate(
         shape,
-        _parallelism(values, mesh),
+        mesh,
         _precision(values, actor, plan),
         _activations(values, actor, mesh, plan),
         offload,
@@ -69,26 +69,11 @@ def estimate_launch(
         host_capacity_bytes=int(host_memory_gib * GiB) if host_memory_gib is not None else None,
         platform=plan.platform,
         rollout_host_bytes_per_node=rollout_host_bytes_per_node,
+        devices_per_node=values.n_gpus_per_node,
     )
     routes, route_checks = replay_routes(config, values, shape, mesh) if config is not None else (None, [])
     result = dataclasses.replace(result, replay_routes=routes)
     return result, route_checks + memory_checks(result, offload, target.chip)
-
-
-def _parallelism(values: LaunchValues, mesh: TrainMesh) -> Parallelism:
-    return Parallelism(
-        tp=mesh.tp,
-        pp=mesh.pp,
-        cp=mesh.cp,
-        ep=mesh.ep,
-        etp=mesh.etp,
-        world_size=mesh.world,
-        sequence_parallel=mesh.sequence_parallel,
-        vpp=mesh.vpp,
-        num_layers_in_first_pipeline_stage=mesh.first_stage_layers,
-        num_layers_in_last_pipeline_stage=mesh.last_stage_layers,
-        devices_per_node=values.n_gpus_per_node,
-    )
 
 
 def _precision(values: LaunchValues, actor: MegatronRole, plan: BuildPlan) -> Precision:
@@ -106,7 +91,7 @@ def _precision(values: LaunchValues, actor: MegatronRole, plan: BuildPlan) -> Pr
     )
 
 
-def _activations(values: LaunchValues, actor: MegatronRole, mesh: TrainMesh, plan: BuildPlan) -> Activations:
+def _activations(values: LaunchValues, actor: MegatronRole, mesh: Parallelism, plan: BuildPlan) -> Activations:
     n = values.rollout.n
     if values.use_dynamic_bsz:
         micro, seq, microbatches = 1, values.ppo_max_token_len_per_gpu, None
@@ -205,7 +190,7 @@ LOAD_BALANCE_METRICS = f"{ROLLOUT}.moe_load_balance_metrics_interval"
 
 
 def replay_routes(
-    config: Mapping[str, Any], values: LaunchValues, shape: ModelShape, mesh: TrainMesh
+    config: Mapping[str, Any], values: LaunchValues, shape: ModelShape, mesh: Parallelism
 ) -> tuple[ReplayRoutes | None, list[Check]]:
     """The MoE routes verl keeps with the step's samples, and a check showing them (None, []: no routes kept).
 

@@ -6,100 +6,29 @@ megatron reports some as a bare assertion on one rank. The rules are megatron-co
 sequence-parallel rule) and verl 0.9.1's (batch normalisation per data-parallel rank, vLLM's
 expert-parallel size, the THD padding in verl.models.mcore.util). They read the launch's typed view
 (:class:`verl_npu.preflight.values.LaunchValues`): every size is an integer in range before any arithmetic here.
+A training role's sizes and their rules are its :class:`verl_npu.parallelism.Parallelism` record.
 """
 
 from __future__ import annotations
 
-import dataclasses
-
 from verl_npu.checks import FAIL, OK, WARN, Check, failed
-from verl_npu.pipeline_split import PipelineSplitError, stage_layers
+from verl_npu.parallelism import DP, Parallelism
 from verl_npu.preflight.values import LaunchValues, MegatronRole, RolloutValues
 
 
-@dataclasses.dataclass(frozen=True)
-class TrainMesh:
-    role: str
-    world: int
-    tp: int
-    pp: int
-    cp: int
-    ep: int
-    etp: int
-    sequence_parallel: bool
-    first_stage_layers: int | None
-    last_stage_layers: int | None
-    vpp: int | None
-
-    @property
-    def dp(self) -> int:
-        return self.world // (self.tp * self.pp * self.cp)
-
-    @property
-    def expert_dp(self) -> int:
-        return self.world // (self.pp * self.ep * self.etp)
-
-    def stage_layers(self, num_layers: int) -> list[int]:
-        """Layers per pipeline stage: megatron's split (verl_npu.pipeline_split), PipelineSplitError where none."""
-        return stage_layers(num_layers, self.pp, self.first_stage_layers, self.last_stage_layers, self.vpp)
-
-
-def train_mesh(role: MegatronRole, world: int) -> TrainMesh:
-    return TrainMesh(
-        role=role.role,
-        world=world,
-        tp=role.tp,
-        pp=role.pp,
-        cp=role.cp,
-        ep=role.ep,
-        etp=role.etp,
-        sequence_parallel=role.sequence_parallel,
-        first_stage_layers=role.first_stage_layers,
-        last_stage_layers=role.last_stage_layers,
-        vpp=role.vpp,
-    )
-
-
-def check_train_mesh(mesh: TrainMesh, num_layers: int, num_experts: int) -> list[Check]:
-    r, fails = mesh.role, []
-
-    def fail(name: str, message: str) -> None:
-        fails.append(Check(f"mesh.{r}-{name}", FAIL, f"{r}: {message}"))
-
-    model_parallel = mesh.tp * mesh.pp * mesh.cp
-    if mesh.world % model_parallel:
-        fail(
-            "dp",
-            f"world size {mesh.world} is not divisible by TP {mesh.tp} x PP {mesh.pp} x CP {mesh.cp} = "
-            f"{model_parallel}",
+def check_train_mesh(role: str, mesh: Parallelism, num_layers: int, num_experts: int) -> list[Check]:
+    """One role's mesh: every size megatron would refuse (:meth:`verl_npu.parallelism.Parallelism.problems`)."""
+    problems = mesh.problems(num_layers, num_experts)
+    if problems:
+        return [Check(f"mesh.{role}-{p.check}", FAIL, f"{role}: {p.message}") for p in problems]
+    return [
+        Check(
+            f"mesh.{role}-mesh",
+            OK,
+            f"{role}: TP {mesh.tp} x PP {mesh.pp} x CP {mesh.cp} x DP {mesh.dp} = {mesh.world}; EP {mesh.ep} x "
+            f"ETP {mesh.etp} x expert-DP {mesh.expert_dp}; layers per stage {mesh.stage_layers(num_layers)}",
         )
-    expert_parallel = mesh.pp * mesh.ep * mesh.etp
-    if mesh.world % expert_parallel:
-        fail(
-            "ep",
-            f"world size {mesh.world} is not divisible by PP {mesh.pp} x EP {mesh.ep} x ETP {mesh.etp} = "
-            f"{expert_parallel} (the expert-parallel group)",
-        )
-    if num_experts and num_experts % mesh.ep:
-        fail("ep-experts", f"EP {mesh.ep} does not divide the model's {num_experts} routed experts")
-    if not num_experts and mesh.ep > 1:
-        fail("ep-dense", f"EP {mesh.ep} on a dense model (no routed experts); set expert_model_parallel_size=1")
-    if mesh.sequence_parallel and mesh.tp == 1:
-        fail("sp", "sequence_parallel=True needs tensor_model_parallel_size > 1 (TP is 1); drop sequence_parallel")
-    try:
-        stages = mesh.stage_layers(num_layers)
-    except PipelineSplitError as exc:
-        fail(exc.check, str(exc))
-    if not fails:
-        return [
-            Check(
-                f"mesh.{r}-mesh",
-                OK,
-                f"{r}: TP {mesh.tp} x PP {mesh.pp} x CP {mesh.cp} x DP {mesh.dp} = {mesh.world}; EP {mesh.ep} x "
-                f"ETP {mesh.etp} x expert-DP {mesh.expert_dp}; layers per stage {stages}",
-            )
-        ]
-    return fails
+    ]
 
 
 def check_rollout(rollout: RolloutValues, world: int, num_experts: int) -> list[Check]:
@@ -135,9 +64,9 @@ def check_rollout(rollout: RolloutValues, world: int, num_experts: int) -> list[
     return checks
 
 
-def check_thd_alignment(mesh: TrainMesh, values: LaunchValues, role: MegatronRole) -> list[Check]:
+def check_thd_alignment(values: LaunchValues, role: MegatronRole) -> list[Check]:
     """verl pads each packed sequence to tp (tp*cp*2 with CP); the token budget must hold the padded max."""
-    max_sequence = values.max_sequence
+    mesh, max_sequence = role.parallelism, values.max_sequence
     align = mesh.tp * mesh.cp * 2 if mesh.cp > 1 else mesh.tp
     padded = -(-max_sequence // align) * align
     layout = "THD" if role.use_remove_padding else "BSHD"
@@ -146,23 +75,23 @@ def check_thd_alignment(mesh: TrainMesh, values: LaunchValues, role: MegatronRol
         if budget is not None and budget < padded:
             return [
                 Check(
-                    f"mesh.{mesh.role}-thd-alignment",
+                    f"mesh.{role.role}-thd-alignment",
                     FAIL,
-                    f"{mesh.role}: a {max_sequence}-token sequence padded to a multiple of {align} "
+                    f"{role.role}: a {max_sequence}-token sequence padded to a multiple of {align} "
                     f"({'tp*cp*2' if mesh.cp > 1 else 'tp'}) is {padded} tokens, more than the per-device token "
                     f"budget {budget}; raise ppo_max_token_len_per_gpu to >= {padded}",
                 )
             ]
     return [
         Check(
-            f"mesh.{mesh.role}-thd-alignment",
+            f"mesh.{role.role}-thd-alignment",
             OK,
-            f"{mesh.role}: {layout} sequences padded to multiples of {align}; longest {max_sequence} -> {padded}",
+            f"{role.role}: {layout} sequences padded to multiples of {align}; longest {max_sequence} -> {padded}",
         )
     ]
 
 
-def check_batches(values: LaunchValues, mesh: TrainMesh) -> list[Check]:
+def check_batches(values: LaunchValues, mesh: Parallelism) -> list[Check]:
     """verl's per-rank batch split: train batch -> mini-batches -> per-DP-rank -> micro-batches."""
     n = values.rollout.n
     train, mini = values.train_batch_size, values.ppo_mini_batch_size
@@ -175,7 +104,8 @@ def check_batches(values: LaunchValues, mesh: TrainMesh) -> list[Check]:
                 f"data.train_batch_size {train} is not divisible by actor.ppo_mini_batch_size {mini}",
             )
         )
-    if mesh.world % (mesh.tp * mesh.pp * mesh.cp) == 0 and (mini * n) % mesh.dp:
+    splits = all(p.check != DP for p in mesh.problems())
+    if splits and (mini * n) % mesh.dp:
         checks.append(
             Check(
                 "mesh.batch-dp",
@@ -208,7 +138,7 @@ def check_batches(values: LaunchValues, mesh: TrainMesh) -> list[Check]:
     return checks
 
 
-def check_mesh(values: LaunchValues, num_layers: int, num_experts: int) -> tuple[list[Check], TrainMesh | None]:
+def check_mesh(values: LaunchValues, num_layers: int, num_experts: int) -> tuple[list[Check], Parallelism | None]:
     """All mesh checks; returns them and the actor's mesh (the memory estimate uses it; None: not a Megatron actor).
 
     ``values`` is the typed view (verl_npu.preflight.values): every size here is an integer in range.
@@ -226,16 +156,14 @@ def check_mesh(values: LaunchValues, num_layers: int, num_experts: int) -> tuple
             )
         )
         return checks + check_rollout(values.rollout, world, num_experts), None
-    actor = train_mesh(values.actor, world)
-    checks += check_train_mesh(actor, num_layers, num_experts)
-    if values.ref is not None:
-        ref_mesh = train_mesh(values.ref, world)
-        if dataclasses.replace(ref_mesh, role="actor") != actor:
-            checks += check_train_mesh(ref_mesh, num_layers, num_experts)
+    actor = values.actor.parallelism
+    checks += check_train_mesh("actor", actor, num_layers, num_experts)
+    if values.ref is not None and values.ref.parallelism != actor:
+        checks += check_train_mesh("ref", values.ref.parallelism, num_layers, num_experts)
     if values.critic is not None:
-        checks += check_train_mesh(train_mesh(values.critic, world), num_layers, num_experts)
+        checks += check_train_mesh("critic", values.critic.parallelism, num_layers, num_experts)
     checks += check_rollout(values.rollout, world, num_experts)
-    checks += check_thd_alignment(actor, values, values.actor)
+    checks += check_thd_alignment(values, values.actor)
     checks += check_batches(values, actor)
     if not failed(checks) and actor.dp == 0:
         checks.append(Check("mesh.actor-dp", WARN, "actor: no data-parallel ranks"))

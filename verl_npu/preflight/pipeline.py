@@ -22,9 +22,9 @@ if TYPE_CHECKING:
     import subprocess
 
     from verl_npu.engine.build_plan import BuildPlan
+    from verl_npu.parallelism import Parallelism
     from verl_npu.preflight.compose import ConfigSearch
     from verl_npu.preflight.launch import Launch
-    from verl_npu.preflight.mesh import TrainMesh
     from verl_npu.preflight.model_shape import ModelShape
     from verl_npu.preflight.values import LaunchValues
     from verl_npu.preflight.worker import PreflightWorker
@@ -323,7 +323,7 @@ def build_plans(
     return plans
 
 
-def mesh(report: PreflightReport, values: LaunchValues, shape: ModelShape) -> TrainMesh | None:
+def mesh(report: PreflightReport, values: LaunchValues, shape: ModelShape) -> Parallelism | None:
     """Every role's device mesh; the actor's (None when a mesh check failed, or the actor is not Megatron)."""
     from verl_npu.preflight import mesh as mesh_checks
 
@@ -352,7 +352,7 @@ def memory(
     report: PreflightReport,
     values: LaunchValues,
     shape: ModelShape,
-    actor_mesh: TrainMesh,
+    actor_mesh: Parallelism,
     plan: BuildPlan,
     request: _Request,
     rollout_host_bytes_per_node: int = 0,
@@ -395,7 +395,7 @@ def startup(
     values: LaunchValues,
     shape: ModelShape,
     hf: Mapping[str, Any],
-    actor_mesh: TrainMesh,
+    actor_mesh: Parallelism,
     request: _Request,
     checkpoint: str | None,
     env: Mapping[str, str],

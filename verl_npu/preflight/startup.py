@@ -31,8 +31,8 @@ from verl_npu import inputs
 from verl_npu.bounded_read import MIB, NotReadable, read_bytes
 from verl_npu.checks import FAIL, OK, WARN, Check
 from verl_npu.inputs import InputError
+from verl_npu.parallelism import Parallelism
 from verl_npu.preflight import unknowns
-from verl_npu.preflight.mesh import TrainMesh
 from verl_npu.preflight.model_shape import ModelShape
 from verl_npu.safetensors_header import CheckpointFileError, read_header
 
@@ -146,7 +146,7 @@ class NodeRead:
     bytes: float
 
 
-def node_reads(shape: ModelShape, parts: ModelBytes, mesh: TrainMesh, ranks_per_node: int) -> list[NodeRead]:
+def node_reads(shape: ModelShape, parts: ModelBytes, mesh: Parallelism, ranks_per_node: int) -> list[NodeRead]:
     """The bytes each node's ranks load (the union over its ranks), as fast_load.load_weights decides who reads.
 
     Ranks follow megatron-core 0.18's order "tp-cp-ep-dp-pp" (pipeline outermost; the expert decomposition
@@ -154,8 +154,7 @@ def node_reads(shape: ModelShape, parts: ModelBytes, mesh: TrainMesh, ranks_per_
     experts of EP rank e are experts [e * E / EP, (e + 1) * E / EP). Layers per stage are megatron's contiguous
     split with the first/last-stage overrides (VPP chunks hold the same layers' bytes in other places).
     """
-    world, pp = mesh.world, mesh.pp
-    per_stage = world // pp
+    world, pp, per_stage = mesh.devices, mesh.pp, mesh.ranks_per_stage
     counts = mesh.stage_layers(shape.num_layers)
     starts = [sum(counts[:s]) for s in range(pp)]
     stage_non_expert = [sum(parts.layer_non_expert[starts[s] : starts[s] + counts[s]]) for s in range(pp)]
@@ -182,13 +181,13 @@ def node_reads(shape: ModelShape, parts: ModelBytes, mesh: TrainMesh, ranks_per_
     return out
 
 
-def pre_reading_nodes(mesh: TrainMesh, ranks_per_node: int) -> int:
+def pre_reading_nodes(mesh: Parallelism, ranks_per_node: int) -> int:
     """How many nodes' LOCAL_RANK 0 loads the whole checkpoint itself, so that the engine prefetches it during the
     build (verl_engine.loads_whole_checkpoint: one stage, EP 1, TP and expert-TP rank 0). Such a node's ranks load the
     whole checkpoint anyway: the prefetch moves its read earlier, it adds no bytes."""
     if mesh.pp != 1 or mesh.ep != 1:
         return 0
-    return sum(1 for first in range(0, mesh.world, ranks_per_node) if first % mesh.tp == 0 and first % mesh.etp == 0)
+    return sum(1 for first in range(0, mesh.devices, ranks_per_node) if first % mesh.tp == 0 and first % mesh.etp == 0)
 
 
 # --- a checkpoint on this machine -----------------------------------------------------------------------------
@@ -358,7 +357,7 @@ def read_rate(gbps: Any) -> float | None:
 def estimate_startup(
     shape: ModelShape,
     hf: Mapping[str, Any],
-    mesh: TrainMesh,
+    mesh: Parallelism,
     ranks_per_node: int,
     *,
     read_gbps: float | None,

@@ -30,6 +30,7 @@ from verl_npu.inputs import (
     MAX_TOKENS,
     InputError,
 )
+from verl_npu.parallelism import Parallelism
 from verl_npu.preflight import unknowns
 
 MEGATRON = "megatron"  # the actor strategy preflight's mesh and memory model describe
@@ -194,16 +195,10 @@ class MegatronRole:
     """One Megatron role's engine settings (``<role>.megatron``), as the mesh and the memory estimate read them."""
 
     role: str  # actor, ref or critic
-    tp: int
-    pp: int
-    cp: int
-    ep: int
-    etp: int  # expert_tensor_parallel_size (null: TP, as megatron-core defaults it)
-    sequence_parallel: bool
-    vpp: int | None  # virtual_pipeline_model_parallel_size
+    # its process groups over the launch's devices and its pipeline's layer split (the one record: the mesh check,
+    # the memory and start-up estimates read it)
+    parallelism: Parallelism
     layers_per_vpp_chunk: int | None  # override_transformer_config.num_layers_per_virtual_pipeline_stage
-    first_stage_layers: int | None  # override_transformer_config.num_layers_in_first_pipeline_stage
-    last_stage_layers: int | None
     use_remove_padding: bool
     param_offload: bool
     optimizer_offload: bool
@@ -331,11 +326,12 @@ def read_launch(config: Any) -> tuple[LaunchValues | None, list[Check]]:
         actor=None,
     )
     if strategy == MEGATRON:
-        fields["actor"] = _megatron_role(r, "actor")
+        world = nnodes * devices if nnodes and devices else None
+        fields["actor"] = _megatron_role(r, "actor", world)
         if r.present(f"{ARR}.ref.{MEGATRON}"):
-            fields["ref"] = _megatron_role(r, "ref")
+            fields["ref"] = _megatron_role(r, "ref", world)
         if r.boolean("critic.enable", default=False) and r.present(f"critic.{MEGATRON}"):
-            fields["critic"] = _megatron_role(r, "critic")
+            fields["critic"] = _megatron_role(r, "critic", world)
     if r.errors:
         return None, r.checks()
     return LaunchValues(**fields), []
@@ -423,7 +419,8 @@ def _compilation_config(key: str, value: Any) -> Mapping[str, Any]:
     return {"cudagraph_mode": mode.upper()}
 
 
-def _megatron_role(r: Reader, role: str) -> MegatronRole | None:
+def _megatron_role(r: Reader, role: str, world: int | None) -> MegatronRole | None:
+    """``world``: the launch's devices (None: not readable, and the view is None)."""
     section = ROLE_SECTIONS[role]
     mcore = f"{section}.{MEGATRON}"
     if r.section(mcore) is None:
@@ -431,21 +428,11 @@ def _megatron_role(r: Reader, role: str) -> MegatronRole | None:
     otc, ddp = f"{mcore}.override_transformer_config", f"{mcore}.override_ddp_config"
     r.section(otc, default={})  # a section, when there is one
     r.section(ddp, default={})
-    tp = r.integer(f"{mcore}.tensor_model_parallel_size", 1, MAX_PARALLEL, default=1)
-    etp = r.integer(f"{mcore}.expert_tensor_parallel_size", 1, MAX_PARALLEL, default=None)
+    parallelism = _parallelism(r, mcore, otc, world)
     r.text_list(f"{otc}.recompute_modules", default=None, max_items=64)  # the build plan reads it
     values = dict(
         role=role,
-        tp=tp,
-        pp=r.integer(f"{mcore}.pipeline_model_parallel_size", 1, MAX_PARALLEL, default=1),
-        cp=r.integer(f"{mcore}.context_parallel_size", 1, MAX_PARALLEL, default=1),
-        ep=r.integer(f"{mcore}.expert_model_parallel_size", 1, MAX_PARALLEL, default=1),
-        etp=etp if etp is not None else tp,
-        sequence_parallel=r.boolean(f"{mcore}.sequence_parallel", default=False),
-        vpp=r.integer(f"{mcore}.virtual_pipeline_model_parallel_size", 1, MAX_LAYERS, default=None),
         layers_per_vpp_chunk=r.integer(f"{otc}.num_layers_per_virtual_pipeline_stage", 1, MAX_LAYERS, default=None),
-        first_stage_layers=r.integer(f"{otc}.num_layers_in_first_pipeline_stage", 1, MAX_LAYERS, default=None),
-        last_stage_layers=r.integer(f"{otc}.num_layers_in_last_pipeline_stage", 1, MAX_LAYERS, default=None),
         use_remove_padding=r.boolean(f"{mcore}.use_remove_padding", default=True),
         param_offload=r.boolean(f"{mcore}.param_offload", default=False),
         optimizer_offload=r.boolean(f"{mcore}.optimizer_offload", default=False),
@@ -456,8 +443,35 @@ def _megatron_role(r: Reader, role: str) -> MegatronRole | None:
         recompute_method=r.choice(f"{otc}.recompute_method", RECOMPUTE_METHODS, default=None),
         recompute_num_layers=r.integer(f"{otc}.recompute_num_layers", 1, MAX_LAYERS, default=None),
     )
-    optional = ("vpp", "layers_per_vpp_chunk", "first_stage_layers", "last_stage_layers", "grad_reduce_in_fp32",
-                "recompute_granularity", "recompute_method", "recompute_num_layers")  # fmt: skip
-    if any(v is None for k, v in values.items() if k not in optional):
+    optional = ("layers_per_vpp_chunk", "grad_reduce_in_fp32", "recompute_granularity", "recompute_method",
+                "recompute_num_layers")  # fmt: skip
+    if parallelism is None or any(v is None for k, v in values.items() if k not in optional):
         return None
-    return MegatronRole(**values)
+    return MegatronRole(**values, parallelism=parallelism)
+
+
+def _parallelism(r: Reader, mcore: str, otc: str, world: int | None) -> Parallelism | None:
+    """The role's sizes over the launch's ``world`` devices (None: a size, or the world, is not readable)."""
+    tp = r.integer(f"{mcore}.tensor_model_parallel_size", 1, MAX_PARALLEL, default=1)
+    etp = r.integer(f"{mcore}.expert_tensor_parallel_size", 1, MAX_PARALLEL, default=None)
+    pp = r.integer(f"{mcore}.pipeline_model_parallel_size", 1, MAX_PARALLEL, default=1)
+    cp = r.integer(f"{mcore}.context_parallel_size", 1, MAX_PARALLEL, default=1)
+    ep = r.integer(f"{mcore}.expert_model_parallel_size", 1, MAX_PARALLEL, default=1)
+    sequence_parallel = r.boolean(f"{mcore}.sequence_parallel", default=False)
+    vpp = r.integer(f"{mcore}.virtual_pipeline_model_parallel_size", 1, MAX_LAYERS, default=None)
+    first = r.integer(f"{otc}.num_layers_in_first_pipeline_stage", 1, MAX_LAYERS, default=None)
+    last = r.integer(f"{otc}.num_layers_in_last_pipeline_stage", 1, MAX_LAYERS, default=None)
+    if world is None or tp is None or pp is None or cp is None or ep is None or sequence_parallel is None:
+        return None
+    return Parallelism(
+        world=world,
+        tp=tp,
+        pp=pp,
+        cp=cp,
+        ep=ep,
+        etp=etp if etp is not None else tp,  # null: TP, as megatron-core defaults it
+        sequence_parallel=sequence_parallel,
+        vpp=vpp,
+        first_stage_layers=first,
+        last_stage_layers=last,
+    )

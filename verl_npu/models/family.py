@@ -5,7 +5,7 @@ config is completed with the family's defaults, which layers compute their own D
 most recent full layer's ("shared", IndexShare), and how its HF config maps onto megatron-core's TransformerConfig.
 Preflight (``verl_npu.preflight``), the engine's build plan and parity read a family only through
 :func:`family_of` / :func:`named_as` / :func:`named_in`, so that a new family is one folder under ``verl_npu/models/``
-plus its :func:`register` call (CONTRIBUTING.md, "Adding a model family"). Torch-free: preflight imports this in its
+plus its :func:`register` call (CONTRIBUTING.md, "Add a model family"). Torch-free: preflight imports this in its
 parent process.
 """
 

@@ -135,7 +135,7 @@ def model_chunks(num_layers: int, layout: PipelineLayout) -> list[ModelChunk]:
     (verl_npu.pipeline_split, which preflight's mesh check reports too).
     """
     interleaved = layout.interleaved and layout.pp > 1  # megatron has no virtual pipeline on one stage
-    vpp = layout.vpp if interleaved else 1
+    vpp = (layout.vpp or 1) if interleaved else 1  # interleaved: vpp is set (> 1)
     per_stage = stage_layers(num_layers, layout.pp, layout.first, layout.last, layout.vpp)
     chunks, start = [], 0
     for vp_stage in range(vpp):

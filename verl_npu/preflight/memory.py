@@ -122,7 +122,7 @@ class Precision:
             raise ValueError(f"optimizer {self.optimizer!r}: only adam and sgd are modelled")
         pa = self.use_precision_aware_optimizer
         if pa and self.store_param_remainders and _dtype(self.params_dtype) == "bf16":
-            main = "int16" if _dtype(self.main_params_dtype) == "fp32" else self.main_params_dtype
+            main: str | None = "int16" if _dtype(self.main_params_dtype) == "fp32" else self.main_params_dtype
         elif pa:
             main = self.main_params_dtype
         else:
@@ -417,7 +417,7 @@ def _attention(m: ModelShape, z: _Sizes, act: Activations, indexer: bool = True)
     tokens, a, unfused = s * b, m.num_attention_heads / t, act.attention_kernel == "unfused"
     saved = (2 * h + 4 + 2 * h) / sp * tokens  # input norm (input, fp32 rstd) + its output (projections' input)
     if m.mla:
-        ql, kvl, rope, down = m.q_lora_rank or 0, m.kv_lora_rank, m.qk_rope_head_dim, z.down
+        ql, kvl, rope, down = m.q_lora_rank or 0, m.kv_lora_rank or 0, m.qk_rope_head_dim, z.down  # kvl set: m.mla
         qk, v = m.qk_nope_head_dim + rope, m.v_head_dim
         saved += (2 * 2 * ql + 4) * tokens / down  # q norm (input, rstd) + q up projection input
         saved += (2 * (kvl + rope) + 2 * kvl + 4) * tokens / down  # kv down output (norm input) + kv up input
@@ -569,7 +569,8 @@ def _held_top_k(full: list[bool], receives: bool, act: Activations) -> int:
     else:
         checkpointed = [list(layers[i : i + n]) for i in range(0, len(full), n)]
     chunk_of = {i: c for c in checkpointed for i in c}
-    held, latest = set(), "received" if receives else None
+    held: set[int | str] = set()  # full layers' indices, or "received" for the previous stage's carry
+    latest: int | str | None = "received" if receives else None
     for i in layers:
         chunk = chunk_of.get(i)
         if not full[i] and latest is not None:
@@ -655,21 +656,22 @@ def estimate(
     for stage, n in enumerate(counts):
         layers = list(range(start, start + n))
         start += n
-        dense = expert = 0
+        dense_share = expert_share = 0.0  # this rank's parameters, fractional until rounded below
         for i in layers:
             lp = shape.layer_params(i)
             down = 0
             if shape.mla and not mla_down_proj_duplicated:  # local spec: down projections TP-split
-                down = shape.hidden_size * ((shape.q_lora_rank or 0) + shape.kv_lora_rank + shape.qk_rope_head_dim)
-            dense += (lp.tp + down) / p.tp + lp.replicated - down
-            expert += lp.expert / (p.ep * p.etp)
+                latent = (shape.q_lora_rank or 0) + (shape.kv_lora_rank or 0) + shape.qk_rope_head_dim
+                down = shape.hidden_size * latent
+            dense_share += (lp.tp + down) / p.tp + lp.replicated - down
+            expert_share += lp.expert / (p.ep * p.etp)
         if stage == 0:
-            dense += shape.embedding_params() / p.tp
+            dense_share += shape.embedding_params() / p.tp
         if stage == p.pp - 1:
-            dense += shape.hidden_size  # final norm
+            dense_share += shape.hidden_size  # final norm
             output = shape.output_params() or (shape.embedding_params() if p.pp > 1 else 0)
-            dense += output / p.tp
-        dense, expert = int(dense), int(expert)
+            dense_share += output / p.tp
+        dense, expert = int(dense_share), int(expert_share)
         params = dense + expert
         opt_bytes = sum(nb for _, nb in optim.values())
         optimizer = int(dense * opt_bytes / dense_shard + expert * opt_bytes / expert_shard)

@@ -87,13 +87,20 @@ def _precision(values: LaunchValues, actor: MegatronRole, plan: BuildPlan) -> Pr
         use_distributed_optimizer=actor.use_distributed_optimizer,
         use_precision_aware_optimizer=values.use_precision_aware_optimizer,
         main_params_dtype=values.main_params_dtype,
-        **plan.optimizer_dtypes,
+        # the plan's PRECISIONS keys (verl_npu.engine.build_plan), fp32 where it has none, as the plan reads unset
+        main_grads_dtype=plan.optimizer_dtypes.get("main_grads_dtype", "fp32"),
+        exp_avg_dtype=plan.optimizer_dtypes.get("exp_avg_dtype", "fp32"),
+        exp_avg_sq_dtype=plan.optimizer_dtypes.get("exp_avg_sq_dtype", "fp32"),
     )
 
 
 def _activations(values: LaunchValues, actor: MegatronRole, mesh: Parallelism, plan: BuildPlan) -> Activations:
     n = values.rollout.n
     if values.use_dynamic_bsz:
+        if values.ppo_max_token_len_per_gpu is None:  # read_launch refuses a config like that
+            raise ValueError(
+                "use_dynamic_bsz needs actor_rollout_ref.actor.ppo_max_token_len_per_gpu set (its token budget)"
+            )
         micro, seq, microbatches = 1, values.ppo_max_token_len_per_gpu, None
     else:
         micro = values.ppo_micro_batch_size_per_gpu or 1

@@ -163,7 +163,9 @@ def node_reads(shape: ModelShape, parts: ModelBytes, mesh: Parallelism, ranks_pe
     tied_head = parts.embedding if shape.tie_word_embeddings and pp > 1 else 0.0  # the last stage's copy
     out = []
     for node, first in enumerate(range(0, world, ranks_per_node)):
-        reads_stage, ep_ranks, head_readers = set(), {}, False
+        reads_stage: set[int] = set()
+        ep_ranks: dict[int, set[int]] = {}  # stage -> the EP ranks of this node that read its experts
+        head_readers = False
         for rank in range(first, min(first + ranks_per_node, world)):
             stage, inside = divmod(rank, per_stage)
             if inside % mesh.tp == 0:
@@ -465,14 +467,16 @@ def timeout_checks(estimate: StartupEstimate | None, env: Mapping[str, str]) -> 
             fix = f"set {name} to whole seconds from {low} to {high} (CANN refuses or clamps other values)"
             checks.append(Check(key, FAIL, f"{exc} (whole seconds, as CANN documents it for Atlas A2/A3)", fix))
             continue
-        if minimum is None:
+        if estimate is None or minimum is None:  # minimum is None whenever estimate is
             continue
-        checks.append(_against_minimum(name, key, value, raw is None, estimate, env))
+        checks.append(_against_minimum(name, key, value, raw is None, minimum, estimate.derivation(), env))
     return checks
 
 
-def _against_minimum(name: str, key: str, value: int, unset: bool, e: StartupEstimate, env: Mapping[str, str]) -> Check:
-    minimum = e.minimum_timeout()
+def _against_minimum(
+    name: str, key: str, value: int, unset: bool, minimum: int, derivation: str, env: Mapping[str, str]
+) -> Check:
+    """``minimum``: the estimate's minimum_timeout; ``derivation``: how the estimate reached it."""
     shown = f"{name} unset (CANN's default, {value} s)" if unset else f"{name}={value} s"
     if (
         name == EXEC
@@ -484,7 +488,7 @@ def _against_minimum(name: str, key: str, value: int, unset: bool, e: StartupEst
     room = f"at least {minimum}"
     if FAR_ABOVE_FACTOR * minimum <= high:
         room += f" and at most {FAR_ABOVE_FACTOR * minimum}"
-    why = f"the first collectives wait while the slowest node loads: {e.derivation()}"
+    why = f"the first collectives wait while the slowest node loads: {derivation}"
     if minimum > high:
         return Check(key, FAIL, f"{shown}: the start-up needs {minimum} s, more than {name} can be ({high} s); {why}",
                      "make the load faster: stage the checkpoint on each node's local disk, or read it from faster "

@@ -430,7 +430,8 @@ def _megatron_role(r: Reader, role: str, world: int | None) -> MegatronRole | No
     r.section(ddp, default={})
     parallelism = _parallelism(r, mcore, otc, world)
     r.text_list(f"{otc}.recompute_modules", default=None, max_items=64)  # the build plan reads it
-    values = dict(
+    # read first, checked for None below: MegatronRole's types hold only after that check
+    values: dict[str, Any] = dict(
         role=role,
         layers_per_vpp_chunk=r.integer(f"{otc}.num_layers_per_virtual_pipeline_stage", 1, MAX_LAYERS, default=None),
         use_remove_padding=r.boolean(f"{mcore}.use_remove_padding", default=True),

@@ -511,11 +511,11 @@ def test_a_repeated_check_reuses_the_cached_answer_until_the_model_config_change
 
     from verl_npu.preflight import compose
 
-    started = []
-    monkeypatch.setattr(worker.processes, "start", lambda *a, **k: started.append(a) or pytest.fail("worker ran"))
+    asked = []  # the worker starts before the launch is read; on a hit it is ended, never asked
+    monkeypatch.setattr(worker.processes, "communicate", lambda *a, **k: asked.append(a) or pytest.fail("worker ran"))
     monkeypatch.setattr(compose, "_compose", lambda *a: pytest.fail("a cached answer composed again"))
     second = run_preflight(LAUNCH, model_config=str(tmp_path / "glm"))
-    assert second.to_dict() == first.to_dict() and not started
+    assert second.to_dict() == first.to_dict() and not asked
 
     GlmMoeDsaConfig(indexer_types=["shared"] + ["full"] * 77).save_pretrained(tmp_path / "glm")  # same path, new bytes
     monkeypatch.undo()

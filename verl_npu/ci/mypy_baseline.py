@@ -27,12 +27,11 @@ import contextlib
 import dataclasses
 import json
 import re
-import subprocess
 import sys
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 
-from verl_npu import atomic
+from verl_npu import atomic, processes
 
 BASELINE = Path("ci/mypy_baseline.txt")  # relative to the root mypy runs in
 # Modules that reached zero mypy errors (issue 32's): no baseline entry may name them, not even with --allow-new.
@@ -77,6 +76,7 @@ HEADER = (
     "# mypy errors verl_npu/ had when the check came in: this list may only shrink.\n"
     "# Check: python -m verl_npu.ci.mypy_baseline; drop fixed entries: python -m verl_npu.ci.mypy_baseline --write\n"
 )
+MYPY_TIMEOUT_S = 1800.0  # a cold run takes about a minute on 2 CPUs
 _LINE_IN_MESSAGE = re.compile(r"\bline \d+\b")
 
 
@@ -183,17 +183,18 @@ def report(verdict: Verdict, baseline_path: Path) -> str:
 
 def run_mypy(root: Path) -> list[MypyError]:
     """mypy as pyproject.toml configures it, in ``root``; raises MypyDidNotFinish when it stops short."""
-    done = subprocess.run(
-        [sys.executable, "-m", "mypy", "-O", "json"], cwd=root, capture_output=True, text=True, check=False
-    )
+    done = processes.run([sys.executable, "-m", "mypy", "-O", "json"], cwd=root, timeout=MYPY_TIMEOUT_S)
+    stdout, stderr = str(done.stdout), str(done.stderr)
+    if done.timed_out:
+        raise MypyDidNotFinish(f"mypy did not finish within {MYPY_TIMEOUT_S:g} s (its process group was ended)")
     if done.returncode not in (0, 1):  # 2: a blocking error (syntax, configuration): the rest went unchecked
         raise MypyDidNotFinish(
             f"mypy exited with status {done.returncode} before checking everything; its output:\n"
-            f"{done.stdout}{done.stderr}".rstrip()
+            f"{stdout}{stderr}".rstrip()
         )
-    errors = parse_mypy_json(done.stdout)
+    errors = parse_mypy_json(stdout)
     if done.returncode == 1 and not errors:
-        raise MypyDidNotFinish(f"mypy exited with status 1 and reported no error:\n{done.stdout}{done.stderr}".rstrip())
+        raise MypyDidNotFinish(f"mypy exited with status 1 and reported no error:\n{stdout}{stderr}".rstrip())
     return errors
 
 

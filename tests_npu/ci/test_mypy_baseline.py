@@ -31,6 +31,22 @@ ISSUE_32_MODULES = {
     "verl_npu/safetensors_header.py",
     "verl_npu/runtime_patches/mbridge_instance_mapping.py",
     "verl_npu/runtime_patches/dsa_index_share.py",
+    "verl_npu/models/family.py",
+    "verl_npu/models/glm5/config.py",
+    "verl_npu/models/glm5/family.py",
+    "verl_npu/preflight/compose.py",
+    "verl_npu/preflight/verl_validation.py",
+    "verl_npu/preflight/engine_checks.py",
+    "verl_npu/preflight/model_shape.py",
+    "verl_npu/preflight/worker.py",
+    "verl_npu/preflight/pipeline.py",
+    "verl_npu/preflight/values.py",
+    "verl_npu/preflight/mesh.py",
+    "verl_npu/preflight/memory.py",
+    "verl_npu/preflight/memory_plan.py",
+    "verl_npu/preflight/startup.py",
+    "verl_npu/engine/build_plan.py",
+    "verl_npu/parallelism.py",
 }
 
 

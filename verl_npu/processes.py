@@ -50,7 +50,7 @@ class Result:
 
     def stderr_line(self, limit: int = 200) -> str:
         """The first non-blank line of stderr, printable and at most ``limit`` characters ('' when none)."""
-        text = _decode(self.stderr)
+        text = decode(self.stderr)
         line = next((ln.strip() for ln in text.splitlines() if ln.strip()), "")
         line = "".join(c if c.isprintable() else "?" for c in line)
         return line if len(line) <= limit else line[: limit - 3] + "..."
@@ -67,7 +67,7 @@ class Result:
         return f"{what}: {first}" if first else f"{what} (no stderr)"
 
 
-def _decode(data: str | bytes | None) -> str:
+def decode(data: str | bytes | None) -> str:
     if data is None:
         return ""
     return data if isinstance(data, str) else data.decode("utf-8", errors="replace")
@@ -153,7 +153,7 @@ def communicate(
 
 def _result(argv, returncode, out, err, text: bool, *, timed_out: bool = False, timeout_s=None) -> Result:
     if text:
-        out, err = _decode(out), _decode(err)
+        out, err = decode(out), decode(err)
     return Result(argv, returncode, out, err, timed_out=timed_out, timeout_s=timeout_s)
 
 

@@ -184,7 +184,7 @@ def report(verdict: Verdict, baseline_path: Path) -> str:
 def run_mypy(root: Path) -> list[MypyError]:
     """mypy as pyproject.toml configures it, in ``root``; raises MypyDidNotFinish when it stops short."""
     done = processes.run([sys.executable, "-m", "mypy", "-O", "json"], cwd=root, timeout=MYPY_TIMEOUT_S)
-    stdout, stderr = str(done.stdout), str(done.stderr)
+    stdout, stderr = processes.decode(done.stdout), processes.decode(done.stderr)
     if done.timed_out:
         raise MypyDidNotFinish(f"mypy did not finish within {MYPY_TIMEOUT_S:g} s (its process group was ended)")
     if done.returncode not in (0, 1):  # 2: a blocking error (syntax, configuration): the rest went unchecked

@@ -343,13 +343,13 @@ class PreflightWorker:
             if self._child is None:  # no cached answer means a child (the constructor starts one)
                 return self._failed("it was never started")
             done = processes.communicate(self._child, pickle.dumps(request), timeout=timeout, text=False)
-            err = _text(done.stderr)
+            err = processes.decode(done.stderr)
             if done.timed_out:
                 why = f"did not answer within {timeout:g} s (its process group was ended)"
                 return self._failed(why)
             if done.returncode != 0:
                 return self._failed(err.strip().splitlines()[-1] if err.strip() else f"exit {done.returncode}")
-            lines = _text(done.stdout).strip().splitlines()
+            lines = processes.decode(done.stdout).strip().splitlines()
             try:
                 answer = json.loads(lines[-1])
             except (IndexError, ValueError, RecursionError):
@@ -391,10 +391,6 @@ class PreflightWorker:
         """End the child and its process group if it is still working (an error or an interrupt in the parent)."""
         if self._child is not None and self._child.poll() is None:
             processes.end_group(self._child, grace=0.5)
-
-
-def _text(output: str | bytes) -> str:
-    return output if isinstance(output, str) else output.decode(errors="replace")
 
 
 def _serve() -> None:

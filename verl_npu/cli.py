@@ -13,6 +13,8 @@ from verl_npu.errors import UserError
 from verl_npu.stack.manifest import MANIFEST_PATH, TARGETS, Stack, load_stack
 
 if TYPE_CHECKING:  # each command imports what it needs: `verl-npu preflight` starts before doctor or rich load
+    import subprocess
+
     from rich.console import Console
     from rich.table import Table
 
@@ -138,6 +140,19 @@ def cmd_patches(args: argparse.Namespace) -> int:
 
 
 def cmd_preflight(args: argparse.Namespace) -> int:
+    from verl_npu import processes
+    from verl_npu.preflight.worker import start_child
+
+    # before anything else: the worker's import of verl is a cold check's critical path (docs/preflight.md)
+    child = start_child()
+    try:
+        return _preflight(args, child)
+    finally:
+        if child.poll() is None:  # a bad option or launch: the worker was never asked
+            processes.end_group(child, grace=0.5)
+
+
+def _preflight(args: argparse.Namespace, child: subprocess.Popen[bytes]) -> int:
     from verl_npu.preflight import run_preflight
     from verl_npu.preflight.launch import LaunchError
     from verl_npu.preflight.pipeline import host_memory
@@ -174,6 +189,7 @@ def cmd_preflight(args: argparse.Namespace) -> int:
             host_memory_gib=host_memory_gib,
             use_cache=not args.no_cache,
             checkpoint_read_gbps=checkpoint_read_gbps,
+            child=child,
         )
     except (LaunchError, ValueError) as exc:
         print(f"verl-npu preflight: {exc}", file=sys.stderr)

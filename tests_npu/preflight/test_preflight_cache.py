@@ -122,21 +122,62 @@ def test_a_corrupt_or_foreign_entry_is_ignored_with_a_warning_naming_it_and_rewr
     assert [p.name for p in path.parent.iterdir()] == [path.name]  # no temporary file left behind
 
 
+def recorded_children(monkeypatch) -> list[subprocess.Popen[bytes]]:
+    """Every worker process started from now on (the real ones)."""
+    started: list[subprocess.Popen[bytes]] = []
+    real_start_child = worker.start_child
+    monkeypatch.setattr(worker, "start_child", lambda: started.append(real_start_child()) or started[-1])
+    return started
+
+
 def test_an_intact_entry_is_used_without_a_warning(tmp_path, monkeypatch, capsys, first):
     expected, text = first
     monkeypatch.setenv("VERL_NPU_CACHE_DIR", str(tmp_path / "cache"))
     path = worker.cache_dir() / f"{json.loads(text)['key']}.json"
     path.parent.mkdir(parents=True)
     path.write_text(text)
-    started = []  # the worker starts before the launch is read, so that a cold check waits less
-    real_start_child = worker.start_child
-    monkeypatch.setattr(worker, "start_child", lambda: started.append(real_start_child()) or started[-1])
+    started = recorded_children(monkeypatch)  # the worker starts before the launch is read: a cold check waits less
     monkeypatch.setattr(worker.processes, "communicate", lambda *a, **k: pytest.fail("the worker ran on a hit"))
     capsys.readouterr()
     assert run_preflight(LAUNCH).to_dict() == expected
     assert "warning" not in capsys.readouterr().err
     (child,) = started
     assert child.poll() is not None and child.returncode < 0  # ended by a signal at the hit, never asked
+
+
+def test_the_cli_starts_the_worker_first_and_hands_it_to_the_check(tmp_path, monkeypatch, first):
+    """`verl-npu preflight` starts the worker before it imports the pipeline, and the check uses that one."""
+    from verl_npu.cli import main
+
+    expected, text = first
+    monkeypatch.setenv("VERL_NPU_CACHE_DIR", str(tmp_path / "cache"))
+    path = worker.cache_dir() / f"{json.loads(text)['key']}.json"
+    path.parent.mkdir(parents=True)
+    path.write_text(text)
+    started = recorded_children(monkeypatch)
+    out = tmp_path / "report.json"
+    assert main(["preflight", str(LAUNCH), "--json", str(out)]) == (0 if expected["verdict"] == "go" else 1)
+    assert json.loads(out.read_text())["verdict"] == expected["verdict"]
+    (child,) = started  # one worker: the CLI's, not a second one started by run_preflight
+    assert child.poll() is not None and child.returncode < 0  # ended at the hit
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        pytest.param(["--env", "NOT-A-PAIR"], id="bad-env"),
+        pytest.param(["--host-memory-gib", "0"], id="bad-host-memory"),
+        pytest.param([], id="no-launch"),
+    ],
+)
+def test_a_bad_option_ends_the_worker_the_cli_started(monkeypatch, argv):
+    from verl_npu.cli import main
+
+    started = recorded_children(monkeypatch)
+    launch = [str(LAUNCH)] if argv else []
+    assert main(["preflight", *launch, *argv]) == 2
+    (child,) = started
+    assert child.poll() is not None and child.returncode < 0  # ended by a signal, not left importing verl
 
 
 def test_an_unusable_cache_directory_means_no_cache_and_a_warning(tmp_path, monkeypatch, capsys, first):

@@ -18,6 +18,19 @@ divide or an out-of-memory. Preflight answers before it queues, on any machine (
 
 from __future__ import annotations
 
-from verl_npu.preflight.pipeline import run_preflight
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from verl_npu.preflight.pipeline import run_preflight
 
 __all__ = ["run_preflight"]
+
+
+def __getattr__(name: str) -> Any:
+    """``run_preflight`` on first use: the worker (``python -m verl_npu.preflight.worker``) and the CLI, which starts
+    it before anything else, import this package and must not wait for the pipeline's modules."""
+    if name == "run_preflight":
+        from verl_npu.preflight.pipeline import run_preflight
+
+        return run_preflight
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -69,18 +69,21 @@ def run_preflight(
     host_memory_gib: float | None = None,
     use_cache: bool = True,
     checkpoint_read_gbps: float | None = None,
+    child: subprocess.Popen[bytes] | None = None,
 ) -> PreflightReport:
     """Every check on one launch: a script (``extra`` are its "$@") or, without a script, overrides.
 
     ``host_memory_gib``: host RAM per node (> 0; None: not checked); ``checkpoint_read_gbps``: the rate a node reads
-    the checkpoint at, GB/s (> 0; None: sampled from a local checkpoint, else the start-up is not estimated). Raises
-    a UserError for a bad option or launch.
+    the checkpoint at, GB/s (> 0; None: sampled from a local checkpoint, else the start-up is not estimated);
+    ``child``: a worker process the caller started (verl_npu.preflight.worker.start_child; None: one is started
+    here), ended here unless it answers. Raises a UserError for a bad option or launch.
     """
     from verl_npu import processes
     from verl_npu.preflight.startup import read_rate
     from verl_npu.preflight.worker import start_child
 
-    child = start_child()  # first: its imports are a cold check's critical path (ended if the answer is cached)
+    if child is None:  # first: its imports are a cold check's critical path (ended if the answer is cached)
+        child = start_child()
     try:
         host_memory_gib = host_memory(host_memory_gib)
         checkpoint_read_gbps = read_rate(checkpoint_read_gbps)

@@ -61,7 +61,14 @@ Correctness, in the same run: the exported tensors' names, shapes, dtypes and SH
 loaded model's old-log-probs, from both engines (the JSON's ``compare``). Either engine failing stops the run,
 naming the engine and the phase.
 
-    python bench/rl_step.py --model dense|glm5 [--fp8] [--tiny] --out bench/results/rl_step_<model>_h200.json
+Per rank (issue 33, item 2): ``--tp N`` and ``--ep N`` run each engine as torchrun's TP x EP ranks, one device
+each (EP takes its ranks from data parallelism), every phase started by all ranks at once after a barrier, as a
+training job's ranks load and export together. Each rank records its own phases (the JSON's ``engines.<e>.ranks``;
+the top-level phases are rank 0's); one rank writes the log-probs and removes a saved checkpoint. On the CPU the
+ranks run on gloo: a check of the script, not a figure.
+
+    python bench/rl_step.py --model dense|glm5 [--fp8] [--tiny] [--tp N] [--ep N] \\
+        --out bench/results/rl_step_<model>_h200.json
 """
 
 from __future__ import annotations
@@ -210,8 +217,9 @@ def measure_limits(files: list[Path], device: str, copy_bytes: int, work: Path, 
 class Recorder:
     """Phase timings of one engine; the phase running when it fails is kept for the parent."""
 
-    def __init__(self, device: str, out: Path, profiled: tuple[str, ...] = ()):
-        self.device, self.out, self.profiled = device, out, profiled
+    def __init__(self, device: str, out: Path, profiled: tuple[str, ...] = (), together: bool = False):
+        """``together``: every rank starts each phase at once (a barrier first), as a training job's ranks do."""
+        self.device, self.out, self.profiled, self.together = device, out, profiled, together
         self.result: dict[str, Any] = {"phases": {}, "failed_phase": None}
 
     @contextlib.contextmanager
@@ -221,6 +229,10 @@ class Recorder:
         self.write()
         profiler = cProfile.Profile() if name in self.profiled else None
         synchronize(self.device)
+        if self.together:
+            import torch.distributed as dist
+
+            dist.barrier()
         started = time.perf_counter()
         if profiler:
             profiler.enable()
@@ -320,10 +332,14 @@ def _adapt_to_local_spec(engine: Any) -> list[str]:
     return ["megatron-core local layer spec (mbridge_local.build_on_local_spec)", "right-padding mask adapter"]
 
 
-def _engine_settings(model: str, tiny: bool, device: str) -> dict[str, Any]:
+def _engine_settings(model: str, tiny: bool, device: str, tp: int = 1) -> dict[str, Any]:
     """override_transformer_config: no dropout (deterministic log-probs), CPU initialisation on the CPU; GLM-5 as
-    the parity job runs it (tokens to the experts by allgather, full recompute)."""
+    the parity job runs it (tokens to the experts by allgather, full recompute). At TP > 1, no sequence parallelism
+    for either engine (mbridge turns it on with TP): verl's engine builds on megatron's local spec here (no
+    TransformerEngine), whose torch norm refuses it; load and export move weights, which it does not split."""
     otc: dict[str, Any] = {"hidden_dropout": 0.0, "attention_dropout": 0.0, "use_cpu_initialization": device == "cpu"}
+    if tp > 1:
+        otc["sequence_parallel"] = False
     if model == "glm5":
         otc |= {
             "moe_token_dispatcher_type": "allgather", "variable_seq_lengths": False, "recompute_granularity": "full",
@@ -458,22 +474,55 @@ def _setup(engine_kind: str, spec: dict[str, Any]) -> dict[str, Any]:
         from verl_npu.testing import cpu_megatron
 
         cpu_megatron.activate()
-        cpu_megatron.init_model_parallel()
+        if world_size(spec) == 1:
+            cpu_megatron.init_model_parallel()
         _UnpinnedOnTheCpu().__enter__()
         facts["cpu_stand_ins"] = ["verl_npu/engine/cpu_device.py", "pinned host memory allocated unpinned"]
-    else:
+    elif world_size(spec) == 1:
         from verl_npu.testing.distributed import init_single_process
 
         init_single_process("nccl", 0)
+    if world_size(spec) > 1:  # torchrun's ranks; verl's engine builds megatron's groups from its config's sizes
+        import torch
+        import torch.distributed as dist
+
+        if spec["device"] == "cpu":
+            dist.init_process_group("gloo")
+        else:
+            device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
+            torch.cuda.set_device(device)
+            dist.init_process_group("nccl", device_id=device)
+        facts["rank"], facts["world_size"] = dist.get_rank(), dist.get_world_size()
     if engine_kind == "ours":
         import verl_npu.engine.verl_engine  # noqa: F401  (registers our engine, as the layer does on verl's import)
     return facts
 
 
+def world_size(spec: dict[str, Any]) -> int:
+    """Ranks per engine: TP x EP (EP takes its ranks from data parallelism, as megatron's groups do)."""
+    return int(spec["tp"]) * int(spec["ep"])
+
+
+def rank_suffix(spec: dict[str, Any]) -> str:
+    """'' for one rank; '.rank<R>' for a rank of several (each rank writes its own files, never a shared one)."""
+    return f".rank{os.environ.get('RANK', '0')}" if world_size(spec) > 1 else ""
+
+
+def _first_rank(spec: dict[str, Any]) -> bool:
+    return world_size(spec) == 1 or os.environ.get("RANK", "0") == "0"
+
+
+def _barrier(spec: dict[str, Any]) -> None:
+    if world_size(spec) > 1:
+        import torch.distributed as dist
+
+        dist.barrier()
+
+
 def run_engine(engine_kind: str, spec: dict[str, Any], out: Path) -> None:
     import torch
 
-    recorder = Recorder(spec["device"], out, tuple(spec.get("profile", ())))
+    recorder = Recorder(spec["device"], out, tuple(spec.get("profile", ())), together=world_size(spec) > 1)
     recorder.result.update(engine=engine_kind, failed_phase="setup")
     recorder.write()
     recorder.result.update(_setup(engine_kind, spec))
@@ -490,7 +539,9 @@ def run_engine(engine_kind: str, spec: dict[str, Any], out: Path) -> None:
         model_config=HFModelConfig(path=spec["checkpoint"]),
         engine_config=McoreEngineConfig(
             forward_only=False, vanilla_mbridge=True, use_remove_padding=False, dtype="bfloat16",
-            override_transformer_config=_engine_settings(spec["model"], spec["tiny"], spec["device"]),
+            override_transformer_config=_engine_settings(spec["model"], spec["tiny"], spec["device"], spec["tp"]),
+            tensor_model_parallel_size=spec["tp"], expert_model_parallel_size=spec["ep"],
+            sequence_parallel=False,  # and in the transformer config (_engine_settings)
         ),
         optimizer_config=McoreOptimizerConfig(lr=LEARNING_RATE, lr_decay_steps=10),
         checkpoint_config=CheckpointConfig(save_contents=spec["save_contents"], load_contents=spec["save_contents"]),
@@ -499,6 +550,7 @@ def run_engine(engine_kind: str, spec: dict[str, Any], out: Path) -> None:
     recorder.result["build_adaptations"] = _adapt_to_local_spec(engine) if engine_kind == "verl" else []
     checkpoint_files = rl_step_models.safetensors_files(spec["checkpoint"])
     evict(checkpoint_files)
+    _barrier(spec)  # no rank evicts what another has begun to read
     with recorder.phase("load", bytes=sum(f.stat().st_size for f in checkpoint_files)):
         engine.initialize()
     if spec["device"] == "cpu":
@@ -510,7 +562,8 @@ def run_engine(engine_kind: str, spec: dict[str, Any], out: Path) -> None:
     tokens = count * spec["seq"]
     with recorder.phase("old_log_prob", tokens=tokens):
         old = _log_probs(engine, infer_td)
-    torch.save(old, work / f"{engine_kind}_log_probs.pt")
+    if _first_rank(spec):  # every rank computes the same log-probs; one writes them
+        torch.save(old, work / f"{engine_kind}_log_probs.pt")
     recorder.result["export_digest_loaded"] = export_digest(engine)  # untimed: the loaded model, as exported
     with recorder.phase("ref_log_prob", tokens=tokens):
         _log_probs(engine, infer_td)
@@ -519,7 +572,8 @@ def run_engine(engine_kind: str, spec: dict[str, Any], out: Path) -> None:
     with recorder.phase("train", tokens=tokens, micro_batches=spec["micro_batches"]) as record:
         with engine.train_mode():
             metrics = engine.train_batch(train_td, functools.partial(ppo_loss, config=actor))["metrics"]
-        record["grad_norm"] = float(metrics["grad_norm"])
+        if "grad_norm" in metrics:  # verl reports it on the ranks that log (with TP, not every rank)
+            record["grad_norm"] = float(metrics["grad_norm"])
     recorder.result["state_bytes"] = state_bytes(engine)
     bucket_bytes = int(spec["bucket_mb"] * (1 << 20))
     buffer = torch.empty(
@@ -544,7 +598,7 @@ def run_engine(engine_kind: str, spec: dict[str, Any], out: Path) -> None:
         with recorder.phase(name, bytes=moved):
             engine.to(device)
     if spec["save_contents"]:
-        _save_and_load(engine, recorder, work / f"{engine_kind}_checkpoint")
+        _save_and_load(engine, recorder, work / f"{engine_kind}_checkpoint", spec)
     after = _log_probs(engine, infer_td)
     recorder.result["round_trip"] = {
         "log_probs_equal": bool(torch.equal(after, trained)), "changed_by_training": not torch.equal(trained, old),
@@ -554,18 +608,26 @@ def run_engine(engine_kind: str, spec: dict[str, Any], out: Path) -> None:
     recorder.write()
 
 
-def _save_and_load(engine: Any, recorder: Recorder, saved: Path) -> None:
-    """The first save (a process's one-time costs included), the load of it, then the next step's save."""
+def _save_and_load(engine: Any, recorder: Recorder, saved: Path, spec: dict[str, Any]) -> None:
+    """The first save (a process's one-time costs included), the load of it, then the next step's save. With several
+    ranks the checkpoint is one (megatron's distributed format, each rank writing its part): its bytes are the
+    whole checkpoint's, and one rank removes it once every rank has loaded it."""
     with recorder.phase("save") as record:
         engine.save_checkpoint(str(saved), global_step=1)
+    _barrier(spec)
     record["bytes"] = sum(f.stat().st_size for f in files_under(saved))
     record["gb_per_s"] = record["bytes"] / record["seconds"] / GB
     evict(files_under(saved))
+    _barrier(spec)
     with recorder.phase("checkpoint_load", bytes=record["bytes"]):
         engine.load_checkpoint(str(saved), del_local_after_load=False)
-    shutil.rmtree(saved)  # room for the next: a GLM-5 or dense checkpoint with its optimizer is most of the disk
+    _barrier(spec)
+    if _first_rank(spec):
+        shutil.rmtree(saved)  # room for the next: a GLM-5 or dense checkpoint with its optimizer is most of the disk
+    _barrier(spec)
     with recorder.phase("save_again") as record:
         engine.save_checkpoint(str(saved), global_step=2)
+    _barrier(spec)
     record["bytes"] = sum(f.stat().st_size for f in files_under(saved))
     record["gb_per_s"] = record["bytes"] / record["seconds"] / GB
 
@@ -592,8 +654,9 @@ def loaded_distributions() -> dict[str, str]:
     return dict(sorted(out.items()))
 
 
-def child_main(engine_kind: str, spec_path: Path, out: Path) -> int:
+def child_main(engine_kind: str, spec_path: Path) -> int:
     spec = json.loads(spec_path.read_text())
+    out = Path(spec["work"]) / f"{engine_kind}{rank_suffix(spec)}.json"
     try:
         run_engine(engine_kind, spec, out)
     except BaseException:
@@ -606,27 +669,52 @@ def child_main(engine_kind: str, spec_path: Path, out: Path) -> int:
 
 # --- the parent -------------------------------------------------------------------------------------------------------
 def run_child(engine_kind: str, spec_path: Path, work: Path, timeout: float) -> dict[str, Any]:
-    out = work / f"{engine_kind}.json"
-    out.unlink(missing_ok=True)
-    argv = [sys.executable, str(Path(__file__).resolve()), "--child", engine_kind, "--spec", str(spec_path)]
+    """One engine's run: a process, or torchrun's ranks (``--tp`` / ``--ep``), all working at once; the record of
+    rank 0 with every rank's phases under ``ranks``. A time limit ends the whole process group."""
+    from verl_npu import processes
+
+    spec = json.loads(spec_path.read_text())
+    world = world_size(spec)
+    outs = (
+        [work / f"{engine_kind}.json"] if world == 1 else [work / f"{engine_kind}.rank{r}.json" for r in range(world)]
+    )
+    for out in outs:
+        out.unlink(missing_ok=True)
+    script = [str(Path(__file__).resolve()), "--child", engine_kind, "--spec", str(spec_path)]
+    launcher = [] if world == 1 else ["-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world}"]
     env = {**os.environ, "PYTHONWARNINGS": "ignore", "PYTHONPATH": os.pathsep.join(filter(None, [
         str(REPO), os.environ.get("PYTHONPATH")]))}  # fmt: skip
     log = work / f"{engine_kind}.log"
-    with open(log, "w") as sink:
+    with open(log, "wb") as sink:  # written as it runs: a run the device's time limit ends still leaves its log
+        proc = subprocess.Popen([sys.executable, *launcher, *script], stdout=sink, stderr=subprocess.STDOUT, env=env,
+                                start_new_session=True)  # fmt: skip
         try:
-            done = subprocess.run(argv, stdout=sink, stderr=subprocess.STDOUT, env=env, timeout=timeout, check=False)
-            returncode = done.returncode
+            returncode: int | None = proc.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
+            processes.end_group(proc)  # torchrun's ranks with it
             returncode = None
-    result = json.loads(out.read_text()) if out.exists() else {"failed_phase": "setup"}
-    if returncode != 0 or result.get("failed_phase"):
-        tail = log.read_text(errors="replace")[-4000:]
+        except BaseException:
+            processes.end_group(proc, grace=0.5)
+            raise
+    results = [json.loads(out.read_text()) if out.exists() else {"failed_phase": "setup"} for out in outs]
+    failed = [(rank, r) for rank, r in enumerate(results) if r.get("failed_phase") or r.get("error")]
+    if returncode != 0 or failed:
         why = "timed out" if returncode is None else f"exit {returncode}"
-        raise PhaseFailed(
-            f"{engine_kind} engine failed in phase {result.get('failed_phase') or 'after its last phase'} ({why}); "
-            f"log {log}:\n{result.get('error') or tail}"
-        )
-    return result
+        if world == 1 or not failed:
+            result = results[0]
+            raise PhaseFailed(
+                f"{engine_kind} engine failed in phase {result.get('failed_phase') or 'after its last phase'} "
+                f"({why}); log {log}:\n{result.get('error') or log.read_text(errors='replace')[-4000:]}"
+            )
+        # every failed rank: one rank's error often ends the others' collectives, which then fail too
+        lines = [f"rank {rank}: phase {r.get('failed_phase') or 'after its last phase'}: "
+                 f"{(r.get('error') or 'no traceback').strip().splitlines()[-1]}" for rank, r in failed]  # fmt: skip
+        tracebacks = "\n".join(f"--- rank {rank}\n{(r.get('error') or '')[-2000:]}" for rank, r in failed)
+        raise PhaseFailed(f"{engine_kind} engine failed on {len(failed)} of {world} ranks ({why}); log {log}:\n"
+                          + "\n".join(lines) + "\n" + tracebacks)  # fmt: skip
+    if world > 1:
+        results[0]["ranks"] = [{"rank": rank, "phases": r["phases"]} for rank, r in enumerate(results)]
+    return results[0]
 
 
 def checkpoint_digest(files: list[Path]) -> dict[str, dict[str, Any]]:
@@ -696,6 +784,26 @@ def _table(result: dict[str, Any]) -> Any:
         for record in records:
             rate = record.get("gb_per_s")
             cells.append(f"{rate / limits[limit]['gb_per_s']:.0%}" if limit and rate else "-")
+        table.add_row(*cells)
+    return table
+
+
+def _ranks_table(result: dict[str, Any]) -> Any:
+    """Each rank's seconds and rate for each phase, both engines (all ranks ran each phase at once)."""
+    from rich.table import Table
+
+    sizes = result["sizes"]
+    table = Table(title=f"per rank, TP {sizes['tp']} x EP {sizes['ep']}, every rank at once")
+    table.add_column("phase")
+    for engine in ENGINES:
+        for rank in result["engines"][engine]["ranks"]:
+            table.add_column(f"{engine} rank {rank['rank']}", justify="right")
+    for phase in PHASES:
+        cells = [phase]
+        for engine in ENGINES:
+            for rank in result["engines"][engine]["ranks"]:
+                record = rank["phases"].get(phase)
+                cells.append(f"{record['seconds']:.3f} s, {_rate(record)}" if record else "skipped")
         table.add_row(*cells)
     return table
 
@@ -786,6 +894,9 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
         "slows Python-bound phases)",
     )  # fmt: skip
     parser.add_argument("--timeout", type=float, default=3600, help="seconds per engine")
+    parser.add_argument("--tp", type=int, default=1, help="tensor parallel size: TP x EP ranks per engine (torchrun)")
+    parser.add_argument("--ep", type=int, default=1, help="expert parallel size (--model glm5: the dense model has no "
+                        "experts); its ranks come from data parallelism")  # fmt: skip
     parser.add_argument("--child", choices=ENGINES, help=argparse.SUPPRESS)
     parser.add_argument("--spec", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -798,7 +909,9 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
             "--fp8 with --model dense: mbridge's Qwen2 bridge reads FP8 codes as values (no dequantisation); "
             "the FP8 load path is GLM-5's (verl_npu/engine/bridges/fp8_safetensors.py): use --model glm5"
         )
-    for key in ("micro_batches", "micro_batch_size", "seq", "bucket_mb"):
+    if args.ep > 1 and args.model != "glm5":
+        parser.error(f"--ep {args.ep} with --model {args.model}: the dense model has no experts; use --model glm5")
+    for key in ("micro_batches", "micro_batch_size", "seq", "bucket_mb", "tp", "ep"):
         value = getattr(args, key)
         if value is not None and value <= 0:
             parser.error(f"--{key.replace('_', '-')} {value}: give a positive number")
@@ -816,11 +929,15 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     args = parse(argv)
     if args.child:
-        return child_main(args.child, args.spec, Path(json.loads(args.spec.read_text())["work"]) / f"{args.child}.json")
+        return child_main(args.child, args.spec)
     import torch
     from rich.console import Console
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
+    ranks = args.tp * args.ep
+    if device == "cuda" and ranks > torch.cuda.device_count():
+        raise SystemExit(f"--tp {args.tp} --ep {args.ep}: {ranks} ranks, one per device, and this machine has "
+                         f"{torch.cuda.device_count()} (the CPU runs them on gloo: a check, not a figure)")  # fmt: skip
     work = args.work or Path(tempfile.mkdtemp(prefix="rl_step_"))
     work.mkdir(parents=True, exist_ok=True)
     save_contents = [] if args.save_contents == "none" else args.save_contents.split(",")
@@ -843,7 +960,7 @@ def main(argv: list[str] | None = None) -> int:
         "work": str(work), "vocab_size": config["vocab_size"], "seq": args.seq or (32 if args.tiny else 2048),
         "micro_batch_size": args.micro_batch_size or (2 if args.tiny else 1), "micro_batches": args.micro_batches,
         "bucket_mb": args.bucket_mb, "save_contents": save_contents, "without_driver": args.without_driver,
-        "transitions": not args.no_transitions, "profile": args.profile,
+        "transitions": not args.no_transitions, "profile": args.profile, "tp": args.tp, "ep": args.ep,
 
     }  # fmt: skip
     spec_path = work / "spec.json"
@@ -861,7 +978,8 @@ def main(argv: list[str] | None = None) -> int:
                 args.model, args.tiny), "checkpoint": str(checkpoint), "checkpoint_bytes": checkpoint_bytes,
             "checkpoint_files": len(files), "written_seconds": written_seconds, "config": config,
         },
-        "sizes": {k: spec[k] for k in ("seq", "micro_batch_size", "micro_batches", "bucket_mb", "save_contents")},
+        "sizes": {k: spec[k] for k in ("seq", "micro_batch_size", "micro_batches", "bucket_mb", "save_contents",
+                                       "tp", "ep")},
         "order": list(order), "profiled": args.profile,
         "limits": limits, "engines": engines,
         "compare": compare(engines, work, None if args.fp8 else checkpoint_digest(files)),
@@ -875,6 +993,8 @@ def main(argv: list[str] | None = None) -> int:
     args.out.write_text(json.dumps(result, indent=2, sort_keys=True, default=str) + "\n")
     console = Console(width=max(Console().width, 150))
     console.print(_table(result))
+    if ranks > 1:
+        console.print(_ranks_table(result))
     compared = result["compare"]
     console.print(f"exports identical: {compared['exports_identical']} ({compared['exported_tensors']} tensors); "
                     f"old-log-prob max |ours - verl|: {compared['log_probs_max_abs_difference']:.3g}")  # fmt: skip

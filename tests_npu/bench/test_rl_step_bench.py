@@ -149,17 +149,29 @@ def test_the_machines_limits_are_measured_in_the_same_run(bench):
     assert result["device"]["kind"] == "cpu" and result["versions"]["verl"] == "0.9.1"
 
 
-def test_a_failing_engine_stops_the_run_naming_it_and_its_phase(bench, tmp_path):
+def truncated_checkpoint(bench, where: Path) -> Path:
+    """The bench's HF checkpoint with every safetensors file cut in half."""
     result, _, _ = bench
-    broken = tmp_path / "broken"
-    broken.mkdir()
-    source = Path(result["model"]["checkpoint"])
-    for path in source.iterdir():
+    where.mkdir()
+    for path in Path(result["model"]["checkpoint"]).iterdir():
         data = path.read_bytes()
-        (broken / path.name).write_bytes(data[: len(data) // 2] if path.suffix == ".safetensors" else data)
-    done = run_bench(tmp_path, "--checkpoint", str(broken))
+        (where / path.name).write_bytes(data[: len(data) // 2] if path.suffix == ".safetensors" else data)
+    return where
+
+
+def test_a_failing_engine_stops_the_run_naming_it_and_its_phase(bench, tmp_path):
+    done = run_bench(tmp_path, "--checkpoint", str(truncated_checkpoint(bench, tmp_path / "broken")))
     assert done.returncode != 0
     assert "PhaseFailed: ours engine failed in phase load" in done.stderr, done.stderr[-3000:]
+
+
+@pytest.mark.slow
+def test_a_failing_rank_is_named_with_its_phase_among_every_failed_rank(bench, tmp_path):
+    broken = truncated_checkpoint(bench, tmp_path / "broken")
+    done = run_bench(tmp_path, "--checkpoint", str(broken), "--tp", "2", "--save-contents", "none")
+    assert done.returncode != 0
+    assert "PhaseFailed: ours engine failed on 2 of 2 ranks" in done.stderr, done.stderr[-3000:]
+    assert "rank 0: phase load: " in done.stderr and "rank 1: phase load: " in done.stderr
 
 
 def test_bad_arguments_are_refused_with_the_fix():
@@ -169,6 +181,38 @@ def test_bad_arguments_are_refused_with_the_fix():
     done = subprocess.run([sys.executable, str(BENCH), "--model", "dense", "--profile", "save,lod", "--out", "x.json"],
                           capture_output=True, text=True, timeout=120, check=False)  # fmt: skip
     assert done.returncode == 2 and "['lod'] are not phases" in done.stderr and "checkpoint_load" in done.stderr
+    done = subprocess.run([sys.executable, str(BENCH), "--model", "dense", "--ep", "2", "--out", "x.json"],
+                          capture_output=True, text=True, timeout=120, check=False)  # fmt: skip
+    assert done.returncode == 2 and "--ep 2 with --model dense" in done.stderr and "use --model glm5" in done.stderr
+    done = subprocess.run([sys.executable, str(BENCH), "--model", "dense", "--tp", "0", "--out", "x.json"],
+                          capture_output=True, text=True, timeout=120, check=False)  # fmt: skip
+    assert done.returncode == 2 and "--tp 0: give a positive number" in done.stderr
+
+
+@pytest.mark.slow
+def test_per_rank_every_rank_runs_every_phase_and_one_rank_writes_the_shared_files(bench, tmp_path):
+    """--tp 2 (issue 33, item 2): two gloo ranks per engine, each timing every phase; the exports and log-probs
+    still match between the engines and the checkpoint."""
+    done = run_bench(tmp_path, "--tp", "2", "--no-transitions")
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-5000:]
+    result = json.loads((tmp_path / "out.json").read_text())
+    work = tmp_path / "work"
+    assert result["sizes"]["tp"] == 2 and result["sizes"]["ep"] == 1
+    for engine in ("ours", "verl"):
+        ranks = result["engines"][engine]["ranks"]
+        assert [r["rank"] for r in ranks] == [0, 1]
+        for phase in ("load", "old_log_prob", "train", "export", "save", "checkpoint_load", "save_again"):
+            assert all(r["phases"][phase]["seconds"] > 0 for r in ranks), (engine, phase)
+        for phase in ("load", "export"):  # each rank loads the whole HF checkpoint and exports every full tensor
+            assert ranks[0]["phases"][phase]["bytes"] == ranks[1]["phases"][phase]["bytes"] > 0
+        assert sorted(p.name for p in work.glob(f"{engine}*.json")) == [f"{engine}.rank0.json", f"{engine}.rank1.json"]
+        assert [p.name for p in work.glob(f"{engine}_log_probs*")] == [f"{engine}_log_probs.pt"]
+        assert not (work / f"{engine}_checkpoint").exists()  # removed once measured, by one rank
+    compared = result["compare"]
+    assert compared["exports_identical"] and compared["trained_exports_identical"]
+    assert compared["exports_equal_checkpoint"] == {"ours": True, "verl": True}
+    assert compared["log_probs_max_abs_difference"] == 0
+    assert "per rank, TP 2 x EP 1" in done.stdout
 
 
 def test_a_profiled_phase_names_where_its_time_went(bench):

@@ -13,8 +13,8 @@ against the same 8 layers all full. Per training step (forward + backward): the 
 is zeros), the step time and the peak memory allocated above the weights.
 
 The carry: the top-k a stage sends per micro-batch ([b, s, k] as int32, plus a 3-element header) and the
-time to pack it on the device (int64 -> int32, contiguous); the transfer itself needs two GPUs
-(nvidia-h200-x2), not lent in this session, and is given as bytes only.
+time to pack it on the device (int64 -> int32, contiguous); the transfer itself needs two GPUs and is measured by
+bench/index_share_carry.py (PP=2 over NCCL, in megatron's schedule).
 
 Run: ``python bench/index_share.py --out bench/results/index_share_<device>.json``.
 """

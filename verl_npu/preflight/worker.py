@@ -414,7 +414,7 @@ def _answer_and_leave() -> None:
     """Serve one request, then leave without the interpreter's teardown.
 
     The parent reads the answer at end-of-file, i.e. when this process has exited, and the teardown of what verl
-    imports (torch, transformers, ray) takes about a second: a third of what preflight adds to ``import verl``
+    imports (torch, transformers, ray) took 1.1 s, more than half of what a cold check added to ``import verl``
     (docs/preflight.md). Nothing here needs it: the answer is flushed, no file is open for writing, nothing
     registered an exit handler that matters. An error still exits normally, with its traceback on stderr.
     """
